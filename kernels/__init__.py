@@ -1,0 +1,1 @@
+"""Triton kernels with their torch references (installed as rollart_hpc.kernels)."""

@@ -1,0 +1,22 @@
+"""`launch.py bench NAME ...`: benchmarks that write JSON. Registry of benchmark modules, each with
+`add_arguments(parser)` and `main(args)`; imported only when chosen, so `--help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS: dict[str, tuple[str, str]] = {}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        bench_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(bench_parser)
+        bench_parser.set_defaults(_bench=module)
+
+
+def main(args: argparse.Namespace) -> int:
+    return int(args._bench.main(args) or 0)

@@ -1,0 +1,56 @@
+"""Command line: one registry of subcommands, each a module with `add_arguments(parser)` and `main(args)`.
+
+Subcommand modules must be cheap to import (no torch, MPI or megatron at module level) so that
+`--help` stays fast; they import the heavy stack inside `main`. A `UsageError` raised anywhere below
+becomes a one-line message on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from rollart_hpc.errors import UsageError
+
+# name -> (module, one-line help). Explicit; no import-time discovery.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("rollart_hpc.launcher", "run a config locally as one MPI world (mpiexec)"),
+    "bench": ("rollart_hpc.bench.cli", "benchmarks that write JSON"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="launch.py", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(sub_parser)
+        sub_parser.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Dotted overrides may follow options (`run CFG --run-dir D a.b=1`); argparse stops the positional
+    # list at the first option, so collect the rest here for commands that take overrides.
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    try:
+        return int(args._module.main(args) or 0)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

