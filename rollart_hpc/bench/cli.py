@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHMARKS: dict[str, tuple[str, str]] = {}
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "weights": ("rollart_hpc.bench.weights", "weight sync: bucketed publish vs raw broadcast (JSON)"),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

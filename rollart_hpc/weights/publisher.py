@@ -1,0 +1,172 @@
+"""Asynchronous bucketed weight broadcast: one publisher (a trainer rank), many receivers (rollout ranks).
+
+Dataflow of one version (round r, counted from 1 on every member):
+1. publisher: `publish(version, named)` waits for round r-1 to finish (one version in flight), marks its
+   arrival, issues the header broadcast (magic, version, number of buckets, layout fingerprint,
+   checksum flag), then packs bucket by bucket into its own buffers, issuing each bucket's broadcast as
+   soon as it is packed (assembly overlaps the wire). It returns once every bucket is packed: that is
+   the snapshot, so the caller may change its tensors at once (on GPU the copies are queued on the
+   current stream, which the NCCL broadcasts wait for). A background thread waits for the broadcasts
+   with the group timeout, then (when enabled) computes per-bucket checksums and broadcasts them.
+2. receiver: `receive()` marks its arrival, takes part in the header broadcast, checks the header
+   against its layout, then in every bucket broadcast; it returns (version, named views into its own
+   buffers). The views stay valid until the next `receive()`; the caller copies them into its engine
+   (`engine.update_weights(named, version)`) before calling `receive()` again, so a version is never
+   mixed with the next one.
+
+Errors: a publisher-side failure (timeout naming the silent receiver, checksum broadcast) is kept by the
+background thread and raised by the next `publish()` or `wait()`. After any error the group is broken.
+
+The MPI notification ("version n is coming") is not part of these classes: the lead sends it before
+both sides enter the broadcast, e.g. with `rollart_hpc.weights.notify`. Publisher and receivers must be
+built in the same order on every member (both constructors are collective: they share the layout).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from rollart_hpc.weights.buckets import (
+    BucketLayout,
+    allocate_buckets,
+    bucket_checksum,
+    check_matches,
+    pack_bucket,
+    unpack,
+)
+from rollart_hpc.weights.group import StandaloneGroup
+
+MAGIC = 0x5EED_B0C7
+HEADER_LEN = 5
+
+
+class WeightSyncError(RuntimeError):
+    """The weight stream is inconsistent (header, layout or checksum mismatch)."""
+
+
+def share_layout(group: StandaloneGroup, layout: BucketLayout | None, src_member: int) -> BucketLayout:
+    """Collective: the source sends its layout (length, then JSON bytes); every member returns it."""
+    data = layout.to_bytes() if layout is not None else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    group.broadcast(length, src_member, "weight layout size")
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    if group.member != src_member:
+        buf = torch.empty(int(length.item()), dtype=torch.uint8)
+    group.broadcast(buf, src_member, "weight layout")
+    return layout if layout is not None else BucketLayout.from_bytes(buf.numpy().tobytes())
+
+
+def _device_for(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+class WeightPublisher:
+    """The sending side; see the module docstring for the protocol and the snapshot rule."""
+
+    def __init__(self, group: StandaloneGroup, layout: BucketLayout, checksum: bool = False) -> None:
+        self.group = group
+        self.layout = share_layout(group, layout, group.member)
+        self.checksum = checksum
+        self.device = _device_for(group.backend)
+        self.buckets = allocate_buckets(layout, self.device)
+        self.round = 0
+        self._thread: threading.Thread | None = None
+        self._error: Exception | None = None
+
+    def publish(
+        self, version: int, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Snapshot `named` into the buckets and start the broadcast; returns before it completes."""
+        self.wait()
+        tensors = dict(named.items() if isinstance(named, Mapping) else named)
+        check_matches(self.layout, tensors)
+        self.round += 1
+        self.group.mark_arrival(self.round)
+        header = torch.tensor(
+            [MAGIC, version, self.layout.num_buckets, self.layout.fingerprint(), int(self.checksum)],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        works = [(self.group.start_broadcast(header, self.group.member), f"weights v{version} header")]
+        for index in range(self.layout.num_buckets):
+            pack_bucket(self.layout, index, tensors, self.buckets)
+            work = self.group.start_broadcast(self.buckets[index], self.group.member)
+            works.append((work, f"weights v{version} bucket {index}/{self.layout.num_buckets}"))
+        self._thread = threading.Thread(
+            target=self._finish, args=(version, works, header), name=f"weights-v{version}", daemon=True
+        )
+        self._thread.start()
+
+    def _finish(self, version: int, works: list[tuple[Any, str]], header: torch.Tensor) -> None:
+        try:
+            for work, what in works:
+                self.group.wait(work, self.group.member, what, self.round)
+            if self.checksum:
+                sums = torch.tensor([bucket_checksum(b) for b in self.buckets], dtype=torch.int64)
+                self.group.broadcast(sums.to(self.device), self.group.member, f"weights v{version} checksums")
+        except Exception as exc:  # not swallowed: re-raised in the caller's thread by wait()/publish()
+            self._error = exc
+        assert header.numel() == HEADER_LEN  # the header tensor must stay alive until its broadcast ends
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the version in flight is delivered; re-raise the background thread's error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+class WeightReceiver:
+    """The receiving side: takes part in the publisher's broadcasts into its own bucket buffers."""
+
+    def __init__(self, group: StandaloneGroup, src_member: int = 0) -> None:
+        self.group = group
+        self.src = src_member
+        self.layout = share_layout(group, None, src_member)
+        self.device = _device_for(group.backend)
+        self.buckets = allocate_buckets(self.layout, self.device)
+        self.round = 0
+
+    def receive(self) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """Take part in one version's broadcasts; returns (version, named views valid until the next call)."""
+        self.round += 1
+        self.group.mark_arrival(self.round)
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
+        self.group.broadcast(header, self.src, "weights header")
+        version = self._check_header(header.tolist())
+        works = [self.group.start_broadcast(b, self.src) for b in self.buckets]
+        for index, work in enumerate(works):
+            self.group.wait(work, self.src, f"weights v{version} bucket {index}/{len(works)}")
+        if header[4].item():
+            self._verify_checksums(version)
+        return version, unpack(self.layout, self.buckets)
+
+    def _check_header(self, header: list[int]) -> int:
+        magic, version, num_buckets, fingerprint, _ = header
+        if magic != MAGIC:
+            raise WeightSyncError(f"{self.group.world.me}: bad weight header magic {magic:#x}")
+        if num_buckets != self.layout.num_buckets or fingerprint != self.layout.fingerprint():
+            raise WeightSyncError(
+                f"{self.group.world.me}: weights v{version} use another layout "
+                f"({num_buckets} buckets, fingerprint {fingerprint:#x})"
+            )
+        return int(version)
+
+    def _verify_checksums(self, version: int) -> None:
+        sums = torch.zeros(self.layout.num_buckets, dtype=torch.int64, device=self.device)
+        self.group.broadcast(sums, self.src, f"weights v{version} checksums")
+        for index, (expected, bucket) in enumerate(zip(sums.tolist(), self.buckets, strict=True)):
+            if bucket_checksum(bucket) != expected:
+                raise WeightSyncError(
+                    f"{self.group.world.me}: weights v{version} bucket {index} checksum mismatch"
+                )

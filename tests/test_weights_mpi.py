@@ -1,0 +1,55 @@
+"""Weight broadcast in a real MPI world (mpiexec, 1 publisher + 2 receivers, standalone gloo group)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollart_hpc.launcher import mpi_environment
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "tests" / "mpi_scripts" / "weights_check.py"
+TIMEOUT_S = 3.0
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("weights")
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    cmd = [mpiexec, "-n", "3", "--oversubscribe", sys.executable, str(SCRIPT), str(TIMEOUT_S), str(out)]
+    proc = subprocess.run(cmd, env=mpi_environment(), timeout=240, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(3)]
+
+
+def test_receivers_get_bit_identical_tensors_for_three_versions(results):
+    runs = [r["roundtrip"]["runs"] for r in results]
+    assert [run["bucket_bytes"] for run in runs[0]] == [256, 4096, 1 << 20]
+    assert [run["num_buckets"] for run in runs[0]][-1] == 1 and runs[0][0]["num_buckets"] >= 5
+    for index, published in enumerate(runs[0]):
+        assert sorted(published["versions"]) == ["1", "2", "3"]
+        assert published["versions"]["1"] != published["versions"]["2"]
+        for receiver in (1, 2):
+            assert runs[receiver][index]["num_buckets"] == published["num_buckets"]
+            assert runs[receiver][index]["versions"] == published["versions"]
+
+
+def test_publish_returns_before_the_broadcast_completes(results):
+    pub = results[0]["nonblocking"]
+    assert pub["in_flight_after_publish"] is True
+    assert pub["publish_s"] < 1.0  # receivers join 1.5 s late
+    assert pub["delivered_s"] >= 1.4
+    assert results[1]["nonblocking"]["ok"] and results[2]["nonblocking"]["ok"]
+
+
+def test_silent_receiver_makes_publisher_raise_named_timeout(results):
+    pub = results[0]["silent"]
+    assert "never joined: rollout rank 2 (rollout #1)" in pub["error"]
+    assert "rollout rank 1" not in pub["error"]
+    assert pub["error"].startswith(
+        "trainer rank 0 (trainer #0): weights v1 header did not complete within 3s"
+    )
+    assert TIMEOUT_S - 0.5 < pub["elapsed_s"] < TIMEOUT_S + 5
