@@ -7,6 +7,7 @@ import argparse
 import importlib
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "kernel": ("rollart_hpc.bench.kernel", "fused LM-head log-prob + SPO++ loss vs eager (JSON)"),
     "weights": ("rollart_hpc.bench.weights", "weight sync: bucketed publish vs raw broadcast (JSON)"),
 }
 
