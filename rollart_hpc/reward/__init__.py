@@ -1,1 +1,1 @@
-"""rollart_hpc.reward."""
+"""rollart_hpc.reward: stateless reward functions per env family and a concurrent reward pool."""

@@ -1,0 +1,219 @@
+"""`launch.py submit CONFIG [overrides] [--run-dir DIR] [--dry-run]`: run a config as one SLURM job.
+
+The config is resolved exactly as for `run` and written to the run dir. Roles map to partitions by
+`roles.<role>.partition`:
+- one partition (or none set): one job through submitit; every srun task executes `rollart_hpc.worker`
+  for the run dir (in submitit's task process), with `slurm/mpi_env.sh` sourced in the job's setup.
+- several partitions: a heterogeneous job rendered from `slurm/templates/hetjob.sbatch.in` (see
+  `rollart_hpc.cluster.sbatch`), submitted with `sbatch`; one `srun --het-group` step is the MPI world.
+After submission `run_dir/slurm_job.json` (written atomically) records the job id, mode and log paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollart_hpc.errors import UsageError
+
+if TYPE_CHECKING:
+    from rollart_hpc.cluster.plan import RunPlan
+    from rollart_hpc.cluster.sbatch import JobSpec
+
+JOB_RECORD = "slurm_job.json"
+SBATCH_TIMEOUT_S = 60.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="TOML run config (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. roles.trainer.partition=train")
+    parser.add_argument("--run-dir", help="run directory (default: runs/<run.name>-<timestamp>)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the sbatch script or submitit parameters"
+    )
+    parser.add_argument("--time-min", type=int, default=60, help="job time limit in minutes (default 60)")
+    parser.add_argument(
+        "--max-requeues", type=int, default=3, help="requeues on preemption or time limit (default 3)"
+    )
+    parser.add_argument(
+        "--nodes", type=int, default=1, help="nodes of a single-partition job; ranks split evenly (default 1)"
+    )
+
+
+@dataclass(frozen=True)
+class WorkerTask:
+    """What each submitit task runs: this rank's `rollart_hpc.worker` for the run dir (picklable)."""
+
+    run_dir: str
+
+    def __call__(self) -> int:
+        from rollart_hpc.worker import run_rank
+
+        code = run_rank(Path(self.run_dir))
+        if code != 0:
+            raise RuntimeError(f"rollart_hpc.worker exited with code {code} for run dir {self.run_dir}")
+        return code
+
+
+def main(args: argparse.Namespace) -> int:
+    from rollart_hpc.cluster.plan import make_plan
+    from rollart_hpc.cluster.sbatch import JobSpec, check_run_dir, plan_partitions
+    from rollart_hpc.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    plan = make_plan(config.roles)
+    check_options(args)
+    run_dir = Path(args.run_dir or f"runs/{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    check_run_dir(run_dir)
+    spec = JobSpec(config.run.name, run_dir, args.time_min, args.max_requeues)
+    if len(plan_partitions(plan)) > 1:
+        if args.nodes != 1:
+            raise UsageError(
+                "--nodes applies to single-partition jobs; hetjob components get nodes from SLURM"
+            )
+        return submit_hetjob(spec, plan, config, args.dry_run)
+    return submit_single(spec, plan, config, args.nodes, args.dry_run)
+
+
+def check_options(args: argparse.Namespace) -> None:
+    if args.time_min < 1:
+        raise UsageError(f"--time-min must be >= 1, got {args.time_min}")
+    if args.max_requeues < 0:
+        raise UsageError(f"--max-requeues must be >= 0, got {args.max_requeues}")
+
+
+def require_slurm() -> None:
+    for tool in ("sbatch", "srun"):
+        if shutil.which(tool) is None:
+            raise UsageError(f"{tool} not found: submit needs a SLURM client (--dry-run works without one)")
+
+
+def prepare_run_dir(config: Any, run_dir: Path) -> None:
+    """Write the resolved config; drop failure records of an earlier attempt in the same run dir."""
+    from rollart_hpc.config import write_resolved
+
+    if (run_dir / "failures").exists():
+        shutil.rmtree(run_dir / "failures")
+    write_resolved(config, run_dir)
+
+
+def submit_hetjob(spec: JobSpec, plan: RunPlan, config: Any, dry_run: bool) -> int:
+    from rollart_hpc.cluster.sbatch import HETJOB_SCRIPT, check_components_fit, het_components, render_hetjob
+    from rollart_hpc.store.atomic import atomic_write_bytes
+
+    components = het_components(plan)
+    script = render_hetjob(spec, components)
+    if dry_run:
+        print(script, end="")
+        return 0
+    require_slurm()
+    check_components_fit(components, partition_nodes())
+    prepare_run_dir(config, spec.run_dir)
+    script_path = spec.run_dir / HETJOB_SCRIPT
+    atomic_write_bytes(script_path, script.encode())
+    job_id = sbatch(script_path)
+    log = str(spec.hetjob_output).replace("%j", job_id)
+    record = job_record(spec, plan, "hetjob", job_id, [log])
+    record["script"] = str(script_path)
+    record["components"] = [
+        {"partition": c.partition, "ranks": [c.start, c.start + c.num_ranks], "roles": list(c.roles)}
+        for c in components
+    ]
+    return finish(spec, record)
+
+
+def partition_nodes() -> dict[str, list[str]]:
+    """Nodes of every partition from `sinfo`; the default partition is also listed under ''."""
+    proc = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N %P"],
+        capture_output=True,
+        text=True,
+        timeout=SBATCH_TIMEOUT_S,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise UsageError(f"sinfo failed: {proc.stderr.strip()}")
+    nodes: dict[str, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        node, partition = line.split()
+        names = [partition.rstrip("*")] + ([""] if partition.endswith("*") else [])
+        for name in names:
+            if node not in nodes.setdefault(name, []):
+                nodes[name].append(node)
+    return nodes
+
+
+def sbatch(script_path: Path) -> str:
+    """Submit a script; returns the job id. A refusal by sbatch is reported as a usage error."""
+    proc = subprocess.run(
+        ["sbatch", "--parsable", str(script_path)],
+        capture_output=True,
+        text=True,
+        timeout=SBATCH_TIMEOUT_S,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise UsageError(f"sbatch refused {script_path}: {proc.stderr.strip() or proc.stdout.strip()}")
+    job_id = proc.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise RuntimeError(f"sbatch printed no job id: {proc.stdout!r}")
+    return job_id
+
+
+def submit_single(spec: JobSpec, plan: RunPlan, config: Any, nodes: int, dry_run: bool) -> int:
+    from rollart_hpc.cluster.sbatch import check_single_fit, submitit_parameters
+
+    params = submitit_parameters(spec, plan, nodes)
+    if dry_run:
+        print(
+            f"submitit SlurmExecutor(folder={str(spec.submitit_folder)!r}, max_num_timeout={spec.max_requeues})"
+        )
+        print(json.dumps(params, indent=1, sort_keys=True))
+        return 0
+    require_slurm()
+    check_single_fit(params.get("partition", ""), nodes, partition_nodes())
+    prepare_run_dir(config, spec.run_dir)
+    job_id, logs = submitit_submit(spec, params)
+    record = job_record(spec, plan, "submitit", job_id, logs)
+    record["submitit_parameters"] = params
+    return finish(spec, record)
+
+
+def submitit_submit(spec: JobSpec, params: dict[str, Any]) -> tuple[str, list[str]]:
+    import submitit
+
+    executor = submitit.SlurmExecutor(folder=spec.submitit_folder, max_num_timeout=spec.max_requeues)
+    executor.update_parameters(**params)
+    job = executor.submit(WorkerTask(str(spec.run_dir)))
+    return str(job.job_id), [str(job.paths.stdout), str(job.paths.stderr)]
+
+
+def job_record(spec: JobSpec, plan: RunPlan, mode: str, job_id: str, logs: list[str]) -> dict[str, Any]:
+    return {
+        "job_id": job_id,
+        "mode": mode,
+        "name": spec.name,
+        "run_dir": str(spec.run_dir),
+        "world_size": plan.world_size,
+        "logs": logs,
+        "submitted_at": time.time(),
+    }
+
+
+def finish(spec: JobSpec, record: dict[str, Any]) -> int:
+    from rollart_hpc.store.atomic import atomic_write_json
+
+    atomic_write_json(spec.run_dir / JOB_RECORD, record)
+    print(f"submitted job {record['job_id']} ({record['mode']}, {record['world_size']} ranks)")
+    print(f"run dir {spec.run_dir}")
+    for log in record["logs"]:
+        print(f"log {log}")
+    print(f"rank logs {spec.run_dir / 'logs'}/rank-<r>.log", file=sys.stdout, flush=True)
+    return 0

@@ -1,0 +1,131 @@
+"""household: 128 TextWorld games (put/take/open tasks in a small house, and tw-cooking recipes).
+
+Games come from the prepared cache (`rollart_hpc.envs.household_data`; `launch.py envs prepare`).
+An observation is the game's text with TextWorld's banner, prompt and status line removed, followed
+by one line listing the useful admissible commands (`Actions: a | b | ...`; `examine` commands other
+than the cookbook and `look` are left out of the list to keep it short, but remain valid). Any text is
+accepted as a command: only its first line is sent to the game, so an inadmissible command leaves the
+state unchanged. Reward is 1.0 when the game is won (the episode ends on the first win or loss).
+The oracle is the game's recorded walkthrough.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+from rollart_hpc.envs.household_data import game_path, load_manifest
+from rollart_hpc.envs.types import Task
+
+FAMILY = "household"
+SYSTEM = "You are in a house. Do the task. Reply with one action from the Actions list."
+_BANNER = re.compile(r"^.*\$\$\$\$\$\$\$ *\n", flags=re.S)
+_PROMPT = re.compile(r"\n>\s.*$", flags=re.S)
+_ENDING = re.compile(r"\*\*\* (The End|You lost!) \*\*\*.*$", flags=re.S)
+
+
+def task_id(index: int) -> str:
+    return f"{FAMILY}/{index:03d}"
+
+
+def parse_task_id(tid: str) -> int:
+    prefix, _, number = tid.partition("/")
+    if prefix != FAMILY or not number.isdigit():
+        raise KeyError(f"unknown {FAMILY} task id {tid!r}")
+    return int(number)
+
+
+def clean(text: str) -> str:
+    """Game text without the ASCII banner, the trailing prompt/status line and the end-of-game menu."""
+    text = _PROMPT.sub("", _BANNER.sub("", text))
+    text = _ENDING.sub(lambda m: f"*** {m.group(1)} ***", text)
+    return re.sub(r"\n{2,}", "\n", text).strip()
+
+
+def listed_commands(admissible: list[str]) -> list[str]:
+    """The admissible commands shown to the model (examine/look left out except the cookbook)."""
+    return [
+        c for c in admissible if c != "look" and (not c.startswith("examine ") or c == "examine cookbook")
+    ]
+
+
+def observation(text: str, admissible: list[str]) -> str:
+    return f"{clean(text)}\nActions: {' | '.join(listed_commands(admissible))}"
+
+
+class HouseholdEnv:
+    """One TextWorld game at a time, started from the prepared cache under `root`."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self._root = root
+        self._env: Any = None
+
+    def reset(self, task_id: str) -> str:
+        import textworld
+
+        self.close()
+        path = game_path(parse_task_id(task_id), self._root)
+        if not path.exists():
+            raise FileNotFoundError(f"no household game {path}: run `launch.py envs prepare`")
+        infos = textworld.EnvInfos(admissible_commands=True, won=True, lost=True)
+        with warnings.catch_warnings():
+            # jericho does not know generated games; TextWorld tracks score and state itself.
+            warnings.filterwarnings("ignore", message=".*is not fully supported.*")
+            self._env = textworld.start(str(path), request_infos=infos)
+            state = self._env.reset()
+        return observation(state.feedback, state["admissible_commands"])
+
+    def step(self, action_text: str) -> tuple[str, float, bool, dict[str, Any]]:
+        if self._env is None:
+            raise RuntimeError("step before reset")
+        lines = action_text.strip().splitlines()
+        command = lines[0].strip() if lines else ""
+        state, _, done = self._env.step(command)
+        won, lost = bool(state["won"]), bool(state["lost"])
+        obs = observation(state.feedback, state["admissible_commands"])
+        if done or won or lost:
+            self.close()
+        return obs, float(won), bool(done or won or lost), {"won": won, "lost": lost}
+
+    def close(self) -> None:
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+
+
+class HouseholdFamily:
+    """The prepared household games; the turn limit is the walkthrough length plus `slack`."""
+
+    name = FAMILY
+
+    def __init__(self, root: str | None = None, slack: int = 4, types: tuple[str, ...] = ()) -> None:
+        self.root = Path(root) if root else None
+        self.slack = slack
+        self.types = tuple(types)
+        self._games: dict[str, dict[str, Any]] | None = None
+
+    def _manifest(self) -> dict[str, dict[str, Any]]:
+        if self._games is None:
+            self._games = {task_id(g["index"]): g for g in load_manifest(self.root)}
+        return self._games
+
+    def tasks(self) -> list[Task]:
+        games = self._manifest()
+        return [self.task(tid) for tid, g in games.items() if not self.types or g["type"] in self.types]
+
+    def task(self, tid: str) -> Task:
+        game = self._manifest().get(tid)
+        if game is None:
+            raise KeyError(f"unknown {FAMILY} task id {tid!r}")
+        tags = (FAMILY, game["type"])
+        max_turns = len(game["walkthrough"]) + self.slack
+        return Task(tid, FAMILY, tags, max_turns, SYSTEM, game["objective"])
+
+    def make_env(self) -> HouseholdEnv:
+        return HouseholdEnv(self.root)
+
+    def oracle(self, tid: str) -> list[str]:
+        self.task(tid)
+        return list(self._manifest()[tid]["walkthrough"])

@@ -1,0 +1,128 @@
+"""The on-disk cache of household games: where it lives, how it is prepared, how it is read.
+
+Layout: `<data dir>/household/v1/game_XXX.{z8,json,meta.json}`, then `manifest.json` and last the
+`READY` marker. The data dir is `$ROLLART_DATA`, default `<repo root>/data`. Readers trust a cache only
+when `READY` exists (it is written after the manifest, which is written after every game has been
+generated and its walkthrough replayed to a win), so an interrupted `prepare` is redone, never used.
+
+`prepare` runs the generator in `num_procs` child processes (ids split evenly) under
+`PYTHONHASHSEED=0` and a private `TMPDIR` each; it tracks their pids, kills them if one fails or the
+caller is interrupted, and waits for all of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rollart_hpc.envs.household_gen import NUM_GAMES
+
+CACHE_VERSION = "v1"
+READY = "READY"
+
+
+def data_dir() -> Path:
+    """`$ROLLART_DATA` if set, else `<repo root>/data`."""
+    env = os.environ.get("ROLLART_DATA")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "data"
+
+
+def household_dir(root: Path | None = None) -> Path:
+    return (root or data_dir()) / "household" / CACHE_VERSION
+
+
+def is_ready(root: Path | None = None) -> bool:
+    return (household_dir(root) / READY).exists()
+
+
+def load_manifest(root: Path | None = None) -> list[dict[str, Any]]:
+    """The manifest records (index, type, seed, objective, walkthrough, sha256), by index."""
+    folder = household_dir(root)
+    if not (folder / READY).exists():
+        raise FileNotFoundError(f"household games are not prepared in {folder}: run `launch.py envs prepare`")
+    return list(json.loads((folder / "manifest.json").read_text())["games"])
+
+
+def game_path(index: int, root: Path | None = None) -> Path:
+    return household_dir(root) / f"game_{index:03d}.z8"
+
+
+def prepare(root: Path | None = None, num_procs: int = 2, force: bool = False, log: Any = print) -> Path:
+    """Generate, verify and index all games unless a READY cache exists; returns the cache folder."""
+    folder = household_dir(root)
+    if is_ready(root) and not force:
+        log(f"household games already prepared in {folder}")
+        return folder
+    (folder / READY).unlink(missing_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    _run_generators(folder, num_procs)
+    log(f"generated {NUM_GAMES} games in {time.monotonic() - started:.0f} s; replaying walkthroughs")
+    games = [_verify(folder, i) for i in range(NUM_GAMES)]
+    _write_atomic(folder / "manifest.json", json.dumps({"version": CACHE_VERSION, "games": games}, indent=1))
+    _write_atomic(folder / READY, f"{len(games)}\n")
+    log(f"household cache ready: {folder} ({len(games)} games, {time.monotonic() - started:.0f} s)")
+    return folder
+
+
+def _run_generators(folder: Path, num_procs: int) -> None:
+    bounds = [round(k * NUM_GAMES / num_procs) for k in range(num_procs + 1)]
+    tmp_root = Path(tempfile.mkdtemp(prefix="rollart_household_"))
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    try:
+        for k in range(num_procs):
+            procs[k] = _spawn(folder, bounds[k], bounds[k + 1], tmp_root / str(k))
+        for k, proc in procs.items():
+            if proc.wait() != 0:
+                raise RuntimeError(f"household generator {k} (pid {proc.pid}) exited with {proc.returncode}")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(tmp_root, ignore_errors=True)
+
+
+def _spawn(folder: Path, first: int, last: int, tmp: Path) -> subprocess.Popen[bytes]:
+    tmp.mkdir(parents=True)
+    env = dict(os.environ, PYTHONHASHSEED="0", TMPDIR=str(tmp))
+    cmd = [sys.executable, "-m", "rollart_hpc.envs.household_gen", str(folder), str(first), str(last)]
+    return subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[2]))
+
+
+def _verify(folder: Path, index: int) -> dict[str, Any]:
+    """Replay game `index`'s walkthrough through TextWorld; return its manifest record."""
+    import textworld
+
+    meta = json.loads((folder / f"game_{index:03d}.meta.json").read_text())
+    path = folder / f"game_{index:03d}.z8"
+    env = textworld.start(str(path), request_infos=textworld.EnvInfos(won=True))
+    try:
+        env.reset()
+        won = False
+        for cmd in meta["walkthrough"]:
+            state, _, done = env.step(cmd)
+            won = bool(state["won"])
+            if done:
+                break
+    finally:
+        env.close()
+    if not won:
+        raise RuntimeError(f"household game {index}: walkthrough does not win")
+    (folder / f"game_{index:03d}.ni").unlink(missing_ok=True)
+    meta["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return dict(meta)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
