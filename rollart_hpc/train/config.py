@@ -1,0 +1,54 @@
+"""Trainer settings: frozen, torch-free dataclasses validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """torch.optim.AdamW settings.
+
+    weight_decay applies to matrices only (dim >= 2); norm weights and biases are never decayed.
+    grad_clip: the summed gradient is rescaled to this global L2 norm when larger; 0 disables clipping.
+    """
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.eps <= 0:
+            raise ValueError(f"lr and eps must be > 0, got {self.lr}, {self.eps}")
+        if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError(f"betas must be two values in [0, 1), got {self.betas}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(
+                f"weight_decay and grad_clip must be >= 0, got {self.weight_decay}, {self.grad_clip}"
+            )
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """micro_batch_tokens: padded tokens (rows x longest row) per forward/backward pass.
+    compute_dtype: "float32", or "bfloat16" (autocast; GPU only; master weights and optimizer stay fp32).
+    seed: Megatron's RNG tracker seed. collective_timeout_s: bound on every collective and barrier.
+    """
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    micro_batch_tokens: int = 4096
+    compute_dtype: str = "float32"
+    seed: int = 0
+    collective_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")

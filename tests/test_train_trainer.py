@@ -1,0 +1,206 @@
+"""Trainer on one gloo rank: log-probs, SFT, RL step direction, micro-batch invariance, checkpoints, HF export."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollart_hpc.algo.loss import LossConfig
+from rollart_hpc.train.batch import PackedBatch, from_sequences, micro_batch_groups, select
+from rollart_hpc.train.config import OptimConfig, TrainerConfig
+from rollart_hpc.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from rollart_hpc.models.tiny import make_tiny_model
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    folder = make_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "llama", family="llama", hidden_size=128, num_layers=2,
+        num_heads=2, num_kv_heads=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    yield folder
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _batch(
+    vocab: int,
+    lengths: list[int],
+    advantages: list[float],
+    seed: int = 0,
+    behaviour: torch.Tensor | None = None,
+) -> PackedBatch:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+    masks = [[0] * (n // 3) + [1] * (n - n // 3) for n in lengths]
+    adv = [[a * m for m in mask] for a, mask in zip(advantages, masks, strict=True)]
+    blp = [[0.0] * n for n in lengths]
+    batch = from_sequences(tokens, masks, blp, adv)
+    if behaviour is None:
+        return batch
+    return PackedBatch(batch.tokens, batch.cu_seqlens, batch.action_mask, behaviour, batch.advantages)
+
+
+def _with_behaviour(batch: PackedBatch, logprobs: torch.Tensor) -> PackedBatch:
+    blp = torch.where(batch.action_mask, logprobs, 0.0)
+    return PackedBatch(batch.tokens, batch.cu_seqlens, batch.action_mask, blp, batch.advantages)
+
+
+def _trainer(model_dir: Path, lr: float = 1e-3, micro_batch_tokens: int = 4096) -> Trainer:
+    optim = OptimConfig(lr=lr, weight_decay=0.01, grad_clip=1.0)
+    return Trainer(model_dir, TrainerConfig(optim=optim, micro_batch_tokens=micro_batch_tokens))
+
+
+def _seq_mean(values: torch.Tensor, batch: PackedBatch, i: int) -> float:
+    lo, hi = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
+    return float(values[lo:hi][batch.action_mask[lo:hi]].mean())
+
+
+def test_logprobs_match_transformers(model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    trainer = _trainer(model_dir, micro_batch_tokens=40)
+    batch = _batch(trainer.config.vocab_size, [17, 9, 23], [1.0, 1.0, 1.0])
+    ours = trainer.logprobs(batch)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for i in range(batch.num_sequences):
+        lo, hi = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
+        ids = batch.tokens[lo:hi]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(ids[None]).logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]
+        assert ours[lo] == 0.0
+        assert float((ours[lo + 1 : hi] - ref).abs().max()) < 1e-5
+
+
+def test_sft_steps_reduce_the_loss(model_dir: Path) -> None:
+    trainer = _trainer(model_dir)
+    batch = _batch(trainer.config.vocab_size, [24, 16, 30], [0.0, 0.0, 0.0])
+    losses = [trainer.sft_step(batch)["loss"] for _ in range(5)]
+    assert losses[-1] < 0.8 * losses[0]
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False))
+    nll = -trainer.logprobs(batch)[batch.action_mask].mean()
+    assert float(nll) < losses[-1]
+
+
+def test_rl_step_raises_logprobs_of_positive_advantage_sequences(model_dir: Path) -> None:
+    trainer = _trainer(model_dir, lr=1e-4)
+    batch = _batch(trainer.config.vocab_size, [20, 26, 14], [1.0, 0.0, 0.0], seed=3)
+    before = trainer.logprobs(batch)
+    batch = _with_behaviour(batch, before)
+    num_actions = batch.num_action_tokens
+    metrics = trainer.rl_step(batch, num_actions, LossConfig())
+    after = trainer.logprobs(batch)
+    assert _seq_mean(after, batch, 0) > _seq_mean(before, batch, 0) + 1e-3
+    # The loss is -sum(A * ratio) / global action tokens with ratio 1 and weight 1 at the step's start.
+    seq0_actions = int(batch.action_mask[: int(batch.cu_seqlens[1])].sum())
+    assert metrics["loss"] == pytest.approx(-seq0_actions / num_actions, rel=1e-6)
+    assert metrics["is_weight"] == pytest.approx(1.0, rel=1e-6) and metrics["approx_kl"] == 0.0
+    assert metrics["num_action_tokens"] == num_actions and metrics["grad_norm"] > 0
+    with pytest.raises(ValueError, match="num_global_action_tokens"):
+        trainer.rl_step(batch, num_actions - 1, LossConfig())
+    empty = select(batch, [])
+    empty_metrics = trainer.rl_step(empty, num_actions, LossConfig())
+    assert set(empty_metrics) == set(metrics) and empty_metrics["loss"] == 0.0
+    assert float(trainer.grad_buffer.abs().max()) == 0.0
+
+
+def test_gradients_do_not_depend_on_the_micro_batch_split(model_dir: Path) -> None:
+    whole, split = _trainer(model_dir, micro_batch_tokens=4096), _trainer(model_dir, micro_batch_tokens=30)
+    batch = _batch(whole.config.vocab_size, [20, 26, 14, 9, 11], [1.0, -0.5, 0.3, 2.0, -1.0], seed=5)
+    batch = _with_behaviour(batch, whole.logprobs(batch) - 0.1)
+    assert len(micro_batch_groups(batch, 30)) >= 3
+    m1 = whole.rl_step(batch, batch.num_action_tokens, LossConfig())
+    m2 = split.rl_step(batch, batch.num_action_tokens, LossConfig())
+    assert float(whole.grad_buffer.abs().max()) > 0
+    torch.testing.assert_close(split.grad_buffer, whole.grad_buffer, rtol=1e-5, atol=1e-7)
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5)
+    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+
+
+def _params(trainer: Trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.params]
+
+
+def _train(trainer: Trainer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        batch = _batch(trainer.config.vocab_size, [18, 12, 25], [1.0, -1.0, 0.5], seed=step)
+        if step % 2:
+            losses.append(trainer.sft_step(batch)["loss"])
+        else:
+            batch = _with_behaviour(batch, trainer.logprobs(batch) + 0.05)
+            losses.append(trainer.rl_step(batch, batch.num_action_tokens, LossConfig())["loss"])
+    return losses
+
+
+def test_checkpoint_resume_is_bit_exact(model_dir: Path, tmp_path: Path) -> None:
+    from rollart_hpc.train import checkpoint
+
+    first = _trainer(model_dir)
+    _train(first, range(3))
+    path = first.save_checkpoint(tmp_path / "ckpt")
+    assert checkpoint.is_complete(path) and checkpoint.checkpoint_step(path) == 3
+    assert not (tmp_path / ".ckpt.tmp").exists()
+    with pytest.raises(FileExistsError):
+        first.save_checkpoint(tmp_path / "ckpt")
+
+    resumed = _trainer(model_dir)
+    assert resumed.load_checkpoint(path) == 3
+    resumed_losses = _train(resumed, range(3, 6))
+    straight = _trainer(model_dir)
+    straight_losses = _train(straight, range(6))
+    assert resumed_losses == straight_losses[3:]
+    assert resumed.step == straight.step == 6
+    assert all(torch.equal(a, b) for a, b in zip(_params(resumed), _params(straight), strict=True))
+    with pytest.raises(FileNotFoundError):
+        resumed.load_checkpoint(tmp_path / "missing")
+
+
+def test_hf_export_round_trips_through_transformers(model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from rollart_hpc.models.checkpoint import load_weights
+
+    trainer = _trainer(model_dir)
+    original = load_weights(model_dir)
+    exported = trainer.hf_state_dict()
+    assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
+    batch = _batch(trainer.config.vocab_size, [15, 21], [0.0, 0.0])
+    trainer.sft_step(batch)
+    out = trainer.save_hf(tmp_path / "hf")
+    assert (out / "COMPLETE").is_file() and (out / "tokenizer.json").is_file()
+    saved = load_weights(out)
+    assert not torch.equal(saved["model.norm.weight"], original["model.norm.weight"])
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = batch.tokens[:15]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(ids[None]).logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]
+    ours = trainer.logprobs(batch)[1:15]
+    assert float((ours - ref).abs().max()) < 1e-5
+
+
+def test_a_collective_that_times_out_names_the_peers(model_dir: Path) -> None:
+    from rollart_hpc.errors import PeerTimeoutError
+    from rollart_hpc.train import comm
+
+    class SilentWork:
+        def wait(self, timeout: object) -> bool:
+            raise RuntimeError("Timed out waiting for peers")
+
+    with pytest.raises(
+        PeerTimeoutError, match=r"trainer rank 0: gradient all_reduce did not complete within 2s"
+    ):
+        comm._wait(SilentWork(), "gradient all_reduce", 2.0)  # type: ignore[arg-type]
+    assert float(comm.all_reduce_sum(torch.ones(3), "sum", 5.0).sum()) == 3.0
