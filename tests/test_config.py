@@ -46,7 +46,9 @@ def test_overrides_do_not_mutate_input():
 
 
 def test_unknown_key_is_named():
-    with pytest.raises(UsageError, match=r"unknown key cluster\.nonexistent \(allowed at this level: .*peer_timeout_s"):
+    with pytest.raises(
+        UsageError, match=r"unknown key cluster\.nonexistent \(allowed at this level: .*peer_timeout_s"
+    ):
         build(Config, {"cluster": {"nonexistent": 1}})
 
 
@@ -58,7 +60,9 @@ def test_wrong_type_is_named():
 
 
 def test_literal_lists_allowed_values():
-    with pytest.raises(UsageError, match=r"cluster\.torch_backend: 'mpi' is not one of 'auto', 'gloo', 'nccl'"):
+    with pytest.raises(
+        UsageError, match=r"cluster\.torch_backend: 'mpi' is not one of 'auto', 'gloo', 'nccl'"
+    ):
         build(Config, {"cluster": {"torch_backend": "mpi"}})
 
 
@@ -112,7 +116,9 @@ def test_every_field_is_documented():
     def walk(cls):
         for f in dataclasses.fields(cls):
             assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
-            if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            if dataclasses.is_dataclass(
+                f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            ):
                 walk(f.default_factory)
 
     walk(Config)

@@ -19,8 +19,18 @@ pytestmark = pytest.mark.mpi
 def mpirun(mode, num_env, tmp_path, timeout=10.0):
     world_size = 3 + num_env  # controller, rollout, env..., trainer (no reward)
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    cmd = [mpiexec, "-n", str(world_size), "--oversubscribe", sys.executable, str(SCRIPT), mode, str(num_env),
-           str(timeout), str(tmp_path)]
+    cmd = [
+        mpiexec,
+        "-n",
+        str(world_size),
+        "--oversubscribe",
+        sys.executable,
+        str(SCRIPT),
+        mode,
+        str(num_env),
+        str(timeout),
+        str(tmp_path),
+    ]
     subprocess.run(cmd, env=mpi_environment(), check=True, timeout=120, capture_output=True)
     return {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(world_size)}
 
@@ -50,7 +60,10 @@ def test_silent_rank_becomes_named_timeout(tmp_path):
 def launch(*args, timeout=180):
     return subprocess.run(
         [sys.executable, str(REPO / "launch.py"), "run", "configs/smoke.toml", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
     )
 
 
@@ -87,9 +100,20 @@ def test_silent_rank_in_launcher_times_out(tmp_path):
 def test_ctrl_c_stops_whole_world(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "launch.py"), "run", "configs/smoke.toml", "--run-dir", str(run_dir),
-         "smoke.silent_rank=1", "cluster.peer_timeout_s=600"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            str(REPO / "launch.py"),
+            "run",
+            "configs/smoke.toml",
+            "--run-dir",
+            str(run_dir),
+            "smoke.silent_rank=1",
+            "cluster.peer_timeout_s=600",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + 60
     while len(list((run_dir / "pids").glob("rank-*.pid"))) < 5 and time.monotonic() < deadline:

@@ -54,7 +54,9 @@ class World:
 
     def recv(self, source: int, tag: int = 0, timeout_s: float | None = None) -> Any:
         """Receive from world rank `source` within the timeout, or raise naming that peer."""
-        self._wait(lambda: self.comm.iprobe(source=source, tag=tag), source, f"message (tag {tag})", timeout_s)
+        self._wait(
+            lambda: self.comm.iprobe(source=source, tag=tag), source, f"message (tag {tag})", timeout_s
+        )
         return self.comm.recv(source=source, tag=tag)
 
     def _wait(self, done: Any, peer: int, what: str, timeout_s: float | None = None) -> None:

@@ -38,7 +38,9 @@ def build(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     for key, value in data.items():
         if key not in fields:
             allowed = ", ".join(sorted(fields))
-            raise UsageError(f"unknown key {_first_leaf(_join(path, key), value)} (allowed at this level: {allowed})")
+            raise UsageError(
+                f"unknown key {_first_leaf(_join(path, key), value)} (allowed at this level: {allowed})"
+            )
     kwargs = {key: _coerce(hints[key], value, _join(path, key)) for key, value in data.items()}
     try:
         obj = cls(**kwargs)

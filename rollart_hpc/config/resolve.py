@@ -17,6 +17,7 @@ from rollart_hpc.errors import UsageError
 from rollart_hpc.store.atomic import atomic_write_bytes
 
 RESOLVED_NAME = "config.resolved.toml"
+RL_SECTIONS = ("model", "rollout", "envs", "algo", "trainer", "controller")
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -37,6 +38,10 @@ def check_invariants(config: Config) -> None:
             raise UsageError(f"smoke.{name}: rank {rank} is outside the world of {world} ranks")
     if config.run.job != "smoke" and smoke != type(smoke)():
         raise UsageError(f"smoke: options set but run.job is {config.run.job!r}; remove them")
+    if config.run.job == "smoke":
+        for name in RL_SECTIONS:
+            if getattr(config, name) != type(getattr(config, name))():
+                raise UsageError(f"{name}: options set but run.job is 'smoke'; remove them")
 
 
 def world_size(config: Config) -> int:

@@ -14,13 +14,16 @@ from rollart_hpc.config.loader import doc_field
 from rollart_hpc.errors import UsageError
 
 ROLE_NAMES = ("controller", "rollout", "env", "reward", "trainer")
-Job = Literal["smoke"]
+Job = Literal["smoke", "rl"]
+HOUSEHOLD_TYPES = ("put_in", "put_on", "two_obj", "open_then_put", "other_room", "cook")
 
 
 @dataclass(frozen=True)
 class RunConfig:
     name: str = doc_field("run", "Run name, used in logs and SLURM job names.")
-    job: Job = doc_field("smoke", "What the world does: 'smoke' exchanges messages between every role pair.")
+    job: Job = doc_field(
+        "smoke", "What the world does: 'smoke' exchanges messages between every role pair; 'rl' trains."
+    )
     seed: int = doc_field(0, "Global seed; every rank derives its own from it.")
 
     def validate(self, path: str) -> None:
@@ -56,11 +59,15 @@ class RolesConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    peer_timeout_s: float = doc_field(120.0, "Longest wait on another rank (receive, collective) before an error.")
+    peer_timeout_s: float = doc_field(
+        120.0, "Longest wait on another rank (receive, collective) before an error."
+    )
     torch_backend: Literal["auto", "gloo", "nccl"] = doc_field(
         "auto", "torch.distributed backend: 'auto' is NCCL when CUDA is available, else gloo."
     )
-    launch_timeout_s: float = doc_field(0.0, "Local launcher: end the whole world after this long (0 = never).")
+    launch_timeout_s: float = doc_field(
+        0.0, "Local launcher: end the whole world after this long (0 = never)."
+    )
 
     def validate(self, path: str) -> None:
         if self.peer_timeout_s <= 0:
@@ -72,7 +79,9 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class SmokeConfig:
     num_rounds: int = doc_field(2, "Heartbeat rounds between every pair of ranks.")
-    tensor_numel: int = doc_field(4096, "Elements of the tensor broadcast from the first trainer to rollout ranks.")
+    tensor_numel: int = doc_field(
+        4096, "Elements of the tensor broadcast from the first trainer to rollout ranks."
+    )
     fail_rank: int = doc_field(-1, "Test only: this rank raises an error during the smoke job (-1 = none).")
     silent_rank: int = doc_field(-1, "Test only: this rank never answers its peers (-1 = none).")
 
@@ -82,8 +91,146 @@ class SmokeConfig:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    source: Literal["tiny", "smollm2", "path"] = doc_field(
+        "tiny",
+        "'tiny': a small random Llama built for the run's tasks; 'smollm2': SmolLM2-135M-Instruct; 'path'.",
+    )
+    path: str = doc_field("", "HF safetensors directory (source = 'path').")
+    family: Literal["llama", "qwen2"] = doc_field("llama", "Tiny model: decoder family.")
+    hidden_size: int = doc_field(128, "Tiny model: hidden size (head_dim is 64).")
+    num_layers: int = doc_field(2, "Tiny model: decoder layers.")
+    vocab_size: int = doc_field(1024, "Tiny model: BPE vocabulary trained on the run's task texts.")
+
+    def validate(self, path: str) -> None:
+        if (self.source == "path") != bool(self.path):
+            raise UsageError(f"{path}.path: set it exactly when {path}.source = 'path'")
+        if self.hidden_size % 64 or self.hidden_size < 64:
+            raise UsageError(f"{path}.hidden_size: must be a positive multiple of 64, got {self.hidden_size}")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: Literal["builtin"] = doc_field("builtin", "Inference engine: the built-in torch engine.")
+    num_slots: int = doc_field(16, "Concurrent sequences per engine (KV-cache slots).")
+    max_model_len: int = doc_field(1024, "Longest sequence (prompt + generation) an engine holds.")
+    temperature: float = doc_field(1.0, "Sampling temperature of agent turns.")
+    top_p: float = doc_field(1.0, "Nucleus sampling threshold.")
+    top_k: int = doc_field(0, "Top-k sampling (0 = off).")
+    max_new_tokens: int = doc_field(32, "Longest generation of one agent turn.")
+    num_threads: int = doc_field(1, "torch threads of a rollout rank.")
+
+    def validate(self, path: str) -> None:
+        if self.num_slots < 1 or self.max_model_len < 16 or self.max_new_tokens < 1:
+            raise UsageError(f"{path}: num_slots >= 1, max_model_len >= 16, max_new_tokens >= 1 required")
+
+
+@dataclass(frozen=True)
+class FaultsConfig:
+    crash_prob: float = doc_field(0.0, "Probability that an env step crashes its child process.")
+    hang_prob: float = doc_field(0.0, "Probability that an env step hangs (ends as a timeout).")
+    error_prob: float = doc_field(0.0, "Probability that an env step raises.")
+    latency: Literal["none", "lognormal", "pareto"] = doc_field(
+        "none", "Extra per-step latency distribution."
+    )
+    latency_scale_s: float = doc_field(0.01, "Latency scale (lognormal median, Pareto minimum), seconds.")
+    latency_max_s: float = doc_field(2.0, "Cap on one step's extra latency, seconds.")
+
+
+@dataclass(frozen=True)
+class EnvsConfig:
+    families: list[str] = doc_field(["household", "calc_math"], "Task families of the multi-task mix.")
+    num_tasks: dict[str, int] = doc_field({}, "Tasks used per family (absent = all of the family).")
+    calc_max_ops: int = doc_field(2, "calc_math: most operations per problem (difficulty).")
+    household_types: list[str] = doc_field([], "household: quest types to keep (empty = all types).")
+    num_slots: int = doc_field(8, "Concurrent episodes per env rank.")
+    step_timeout_s: float = doc_field(30.0, "Longest env step before the episode fails as a timeout.")
+    episode_timeout_s: float = doc_field(600.0, "Longest episode (LLM turns included).")
+    faults: FaultsConfig = doc_field(FaultsConfig, "Injected env faults and latency (tests, benchmarks).")
+
+    def validate(self, path: str) -> None:
+        known = ("household", "calc_math", "frozenlake")
+        for name in self.families:
+            if name not in known:
+                raise UsageError(f"{path}.families: {name!r} is not one of {', '.join(map(repr, known))}")
+        for kind in self.household_types:
+            if kind not in HOUSEHOLD_TYPES:
+                raise UsageError(f"{path}.household_types: {kind!r} is not one of {', '.join(HOUSEHOLD_TYPES)}")
+        for name in self.num_tasks:
+            if name not in self.families:
+                raise UsageError(f"{path}.num_tasks.{name}: family not in {path}.families")
+        if not self.families or self.num_slots < 1:
+            raise UsageError(f"{path}: needs at least one family and num_slots >= 1")
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    advantage: Literal["spo++", "spo"] = doc_field(
+        "spo++", "'spo++': action-token normalisation (Eq. 6); 'spo': trajectory whitening (Eq. 4)."
+    )
+    rho: float = doc_field(0.875, "SPO++ event-time value tracker: retention per policy event.")
+    sampler_epsilon: float = doc_field(0.05, "Task sampler: w = sqrt(v(1-v)) + epsilon.")
+    max_in_flight_per_task: int = doc_field(1, "Task sampler: concurrent requests per task.")
+    clip_low: float = doc_field(0.2, "PPO ratio clip below 1.")
+    clip_high: float = doc_field(0.28, "PPO ratio clip above 1.")
+    dual_clip_c: float = doc_field(2.0, "Negative dual-clip constant c (> 1).")
+    is_cap: float = doc_field(2.0, "Cap on the truncated importance weight exp(old - behaviour).")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lr: float = doc_field(1e-3, "AdamW learning rate of the RL phase.")
+    weight_decay: float = doc_field(0.0, "AdamW weight decay.")
+    grad_clip: float = doc_field(1.0, "Gradient norm clip (0 = off).")
+    micro_batch_tokens: int = doc_field(4096, "Tokens per micro-batch on one trainer rank.")
+    sft_steps: int = doc_field(20, "Supervised warm-start steps on oracle demonstrations before RL.")
+    sft_lr: float = doc_field(3e-3, "Learning rate of the warm start.")
+    sft_batch_size: int = doc_field(16, "Demonstrations per warm-start step.")
+    num_threads: int = doc_field(1, "torch threads of a trainer rank.")
+    bucket_mb: float = doc_field(32.0, "Weight publication bucket size, MiB.")
+
+    def validate(self, path: str) -> None:
+        if self.lr <= 0 or self.sft_lr <= 0 or self.micro_batch_tokens < 64 or self.sft_steps < 0:
+            raise UsageError(f"{path}: lr, sft_lr > 0, micro_batch_tokens >= 64, sft_steps >= 0 required")
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    mode: Literal["sync", "one_step_off", "async"] = doc_field(
+        "async",
+        "'sync': generate, train, sync; 'one_step_off': batch k+1 generated while training k; 'async'.",
+    )
+    max_staleness: int = doc_field(
+        -1, "Largest n - v for a token of version v trained at version n; -1 = the mode's own (async 1)."
+    )
+    batch_size: int = doc_field(16, "Trajectories per optimizer step.")
+    num_steps: int = doc_field(20, "Optimizer steps of the RL phase.")
+    heartbeat_s: float = doc_field(2.0, "Interval of liveness messages between ranks.")
+
+    def validate(self, path: str) -> None:
+        natural = {"sync": 0, "one_step_off": 1}.get(self.mode)
+        if natural is not None and self.max_staleness not in (-1, natural):
+            raise UsageError(f"{path}.max_staleness: mode {self.mode!r} implies {natural}; leave it at -1")
+        if self.batch_size < 1 or self.num_steps < 1 or self.max_staleness < -1:
+            raise UsageError(f"{path}: batch_size >= 1, num_steps >= 1, max_staleness >= -1 required")
+
+    @property
+    def staleness(self) -> int:
+        natural = {"sync": 0, "one_step_off": 1, "async": 1}[self.mode]
+        return natural if self.max_staleness == -1 else self.max_staleness
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = doc_field(RunConfig, "What to run.")
     roles: RolesConfig = doc_field(RolesConfig, "Ranks per role (and their SLURM partitions).")
     cluster: ClusterConfig = doc_field(ClusterConfig, "Process world, timeouts, communication backend.")
     smoke: SmokeConfig = doc_field(SmokeConfig, "The smoke job (run.job = 'smoke').")
+    model: ModelConfig = doc_field(ModelConfig, "The policy model (run.job = 'rl').")
+    rollout: RolloutConfig = doc_field(RolloutConfig, "Rollout engines (run.job = 'rl').")
+    envs: EnvsConfig = doc_field(EnvsConfig, "Environments and env workers (run.job = 'rl').")
+    algo: AlgoConfig = doc_field(AlgoConfig, "SPO++ / SPO algorithm (run.job = 'rl').")
+    trainer: TrainerConfig = doc_field(TrainerConfig, "Trainer (run.job = 'rl').")
+    controller: ControllerConfig = doc_field(
+        ControllerConfig, "Controller: mode, staleness, batches (run.job = 'rl')."
+    )

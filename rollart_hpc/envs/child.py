@@ -13,7 +13,9 @@ The child ignores SIGINT so that Ctrl-C reaches the parent alone, which then kil
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -79,6 +81,9 @@ def _inject(faults: FaultConfig, episode_id: str, step_index: int) -> None:
 def child_main(conn: Connection, faults: FaultConfig) -> None:
     """Serve requests on `conn` until "close" or the parent's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A private working directory: whatever an env writes relative to its cwd stays out of the caller's.
+    workdir = tempfile.mkdtemp(prefix="rollart-env-")
+    os.chdir(workdir)
     host = _Host(faults)
     try:
         while True:
@@ -91,6 +96,7 @@ def child_main(conn: Connection, faults: FaultConfig) -> None:
             conn.send(_answer(host, msg))
     finally:
         host.close()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _answer(host: _Host, msg: tuple) -> tuple[str, Any]:

@@ -61,6 +61,7 @@ class HouseholdEnv:
     def __init__(self, root: Path | None = None) -> None:
         self._root = root
         self._env: Any = None
+        self._admissible: list[str] = []
 
     def reset(self, task_id: str) -> str:
         import textworld
@@ -75,16 +76,23 @@ class HouseholdEnv:
             warnings.filterwarnings("ignore", message=".*is not fully supported.*")
             self._env = textworld.start(str(path), request_infos=infos)
             state = self._env.reset()
-        return observation(state.feedback, state["admissible_commands"])
+        self._admissible = list(state["admissible_commands"])
+        return observation(state.feedback, self._admissible)
 
     def step(self, action_text: str) -> tuple[str, float, bool, dict[str, Any]]:
         if self._env is None:
             raise RuntimeError("step before reset")
         lines = action_text.strip().splitlines()
-        command = lines[0].strip() if lines else ""
+        command = " ".join(lines[0].split()).lower() if lines else ""
+        if command not in self._admissible:
+            # Only listed actions reach the game: interpreter meta-commands (save, restore, script,
+            # quit) would write files, prompt for input or crash the interpreter.
+            feedback = f"Nothing happens: {command[:60]!r} is not one of the actions."
+            return observation(feedback, self._admissible), 0.0, False, {"won": False, "lost": False}
         state, _, done = self._env.step(command)
         won, lost = bool(state["won"]), bool(state["lost"])
-        obs = observation(state.feedback, state["admissible_commands"])
+        self._admissible = list(state["admissible_commands"])
+        obs = observation(state.feedback, self._admissible)
         if done or won or lost:
             self.close()
         return obs, float(won), bool(done or won or lost), {"won": won, "lost": lost}

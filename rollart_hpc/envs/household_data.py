@@ -32,7 +32,7 @@ READY = "READY"
 def data_dir() -> Path:
     """`$ROLLART_DATA` if set, else `<repo root>/data`."""
     env = os.environ.get("ROLLART_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "data"
+    return Path(env).resolve() if env else Path(__file__).resolve().parents[2] / "data"
 
 
 def household_dir(root: Path | None = None) -> Path:

@@ -1,0 +1,227 @@
+"""The controller's bookkeeping: dispatch with admission control, results, batches, accounting. No MPI.
+
+Dataflow: `dispatch()` hands out an `EpisodeTicket` (episode id, task, dispatch version v0, frozen SPO++
+baseline and policy event); env workers run it; `on_result(trajectory)` folds the outcome into the tracker
+and the buffer; `next_batch()` returns the trajectories of the next optimizer step once they exist;
+`on_published(version)` and `on_rollout_version(version)` move the versions forward.
+
+Versions: the trainer is at version n after n optimizer steps; the batch of step n is trained at version n.
+`rollout_version` is the version every rollout engine has loaded; a ticket's v0 is that version, so every
+token of its trajectory was produced by a version >= v0.
+
+Invariants (pinned by tests/test_controller_core.py):
+1. Each dispatched episode ends exactly once: trained (in one batch), dropped with a cause, or failed with a
+   cause. A duplicate or unknown result is counted and ignored.
+2. Staleness: a trajectory trained at step n has n - v0 <= s (s = max_staleness). Admission stops
+   dispatching when the admitted count would reach (rollout_version + s + 1) * B; with batches taken
+   due-first (every trajectory with v0 <= n - s is in batch n, and batch n waits for in-flight ones), no
+   admitted trajectory ever falls out of the window, so nothing relies on discarding.
+3. The baseline of a ticket is frozen at dispatch (the tracker's dispatch event), whatever the arrival order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from rollart_hpc.algo.sampler import TaskSampler
+from rollart_hpc.algo.tracker import ValueTracker
+from rollart_hpc.envs.types import Trajectory
+
+Mode = Literal["sync", "one_step_off", "async"]
+MODE_STALENESS: dict[str, int] = {"sync": 0, "one_step_off": 1}
+
+
+@dataclass(frozen=True)
+class EpisodeTicket:
+    """What an env worker receives for one episode; returned inside the trajectory's `dispatch` dict."""
+
+    episode_id: str
+    task_id: str
+    version: int
+    event: int
+    baseline: float
+    seed: int
+    dispatch_time: float
+
+
+@dataclass
+class BufferedResult:
+    ticket: EpisodeTicket
+    trajectory: Trajectory
+    finish_time: float
+
+
+@dataclass(frozen=True)
+class Batch:
+    step: int
+    results: list[BufferedResult]
+
+
+class ControllerCore:
+    """Admission, buffering and batch assembly for one run (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        max_staleness: int,
+        mode: Mode,
+        num_steps: int,
+        tracker: ValueTracker,
+        sampler: TaskSampler,
+        seed: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if mode in MODE_STALENESS and MODE_STALENESS[mode] != max_staleness:
+            raise ValueError(
+                f"mode {mode!r} implies max_staleness {MODE_STALENESS[mode]}, got {max_staleness}"
+            )
+        self.batch_size, self.max_staleness, self.mode = batch_size, max_staleness, mode
+        self.num_steps, self.seed = num_steps, seed
+        self.tracker, self.sampler, self.clock = tracker, sampler, clock
+        self.version = 0  # trainer version: optimizer steps completed and published
+        self.rollout_version = 0
+        self.next_episode = 0
+        self.admitted = 0  # dispatched and not failed
+        self.in_flight: dict[str, EpisodeTicket] = {}
+        self.buffer: OrderedDict[str, BufferedResult] = OrderedDict()
+        self.training: dict[int, list[str]] = {}  # step -> episode ids handed to the trainer
+        self.counts: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self.failed: Counter[str] = Counter()
+        self.staleness: Counter[int] = Counter()
+
+    # ---- dispatch -------------------------------------------------------------------------------
+    def admission_limit(self) -> int:
+        return min((self.rollout_version + self.max_staleness + 1), self.num_steps) * self.batch_size
+
+    def can_dispatch(self) -> bool:
+        if self.admitted >= self.admission_limit():
+            return False
+        batch_barrier = self.mode != "async"
+        return not (batch_barrier and self.admitted % self.batch_size == 0 and self.in_flight)
+
+    def dispatch(self) -> EpisodeTicket | None:
+        """Admit one episode if the bound and the per-task in-flight caps allow it."""
+        if not self.can_dispatch():
+            return None
+        task_id = self.sampler.acquire()
+        if task_id is None:
+            return None
+        frozen = self.tracker.dispatch(task_id)
+        index = self.next_episode
+        ticket = EpisodeTicket(
+            episode_id=f"ep{index:08d}",
+            task_id=task_id,
+            version=self.rollout_version,
+            event=frozen.event,
+            baseline=frozen.baseline,
+            seed=(self.seed * 1_000_003 + index) % (2**31),
+            dispatch_time=self.clock(),
+        )
+        self.next_episode += 1
+        self.admitted += 1
+        self.in_flight[ticket.episode_id] = ticket
+        self.counts["dispatched"] += 1
+        return ticket
+
+    # ---- results --------------------------------------------------------------------------------
+    def on_result(self, trajectory: Trajectory) -> str:
+        """Fold one finished episode in; returns 'buffered', 'failed', 'dropped' or 'ignored'."""
+        ticket = self.in_flight.pop(trajectory.episode_id, None)
+        if ticket is None:
+            self.counts["ignored_unknown_or_duplicate"] += 1
+            return "ignored"
+        self.sampler.release(ticket.task_id)
+        if trajectory.status == "failed":
+            self.admitted -= 1  # frees its admission slot; nothing was learned from it
+            self.failed[trajectory.failure_cause] += 1
+            return "failed"
+        self.tracker.observe(ticket.task_id, trajectory.reward, ticket.event)
+        if self.version - ticket.version > self.max_staleness:
+            self.dropped["stale"] += 1
+            return "dropped"
+        self.buffer[trajectory.episode_id] = BufferedResult(ticket, trajectory, self.clock())
+        return "buffered"
+
+    # ---- batches --------------------------------------------------------------------------------
+    def waiting_for(self) -> list[str]:
+        """In-flight episodes that the next batch must include (v0 <= n - s)."""
+        due = self.version - self.max_staleness
+        return [e for e, t in self.in_flight.items() if t.version <= due]
+
+    def next_batch(self) -> Batch | None:
+        """The batch of step n = self.version: due results first, then by completion; None to wait."""
+        if self.version >= self.num_steps or self.version in self.training or self.waiting_for():
+            return None
+        due_version = self.version - self.max_staleness
+        due = [e for e, r in self.buffer.items() if r.ticket.version <= due_version]
+        rest = [e for e, r in self.buffer.items() if r.ticket.version > due_version]
+        chosen = (due + rest)[: self.batch_size]
+        if len(chosen) < self.batch_size:
+            return None
+        if len(due) > self.batch_size:
+            raise AssertionError(f"{len(due)} due trajectories exceed the batch of {self.batch_size}")
+        results = [self.buffer.pop(e) for e in chosen]
+        self.training[self.version] = chosen
+        for r in results:
+            self.staleness[self.version - r.ticket.version] += 1
+        return Batch(self.version, results)
+
+    def on_published(self, version: int) -> None:
+        """The trainer finished step version-1 and published `version`."""
+        if version != self.version + 1 or (version - 1) not in self.training:
+            raise ValueError(f"published version {version} does not follow step {self.version}")
+        self.counts["trained"] += len(self.training.pop(version - 1))
+        self.version = version
+        self.tracker.on_policy_event()
+
+    def on_rollout_version(self, version: int) -> None:
+        if version < self.rollout_version or version > self.version:
+            raise ValueError(f"rollout version {version} outside [{self.rollout_version}, {self.version}]")
+        self.rollout_version = version
+
+    # ---- end and accounting ---------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.version >= self.num_steps
+
+    def drop_leftovers(self, cause: str = "run_end") -> list[str]:
+        """At the end of a run: buffered results that no step will train are dropped with a cause."""
+        ids = list(self.buffer)
+        for episode_id in ids:
+            del self.buffer[episode_id]
+        self.dropped[cause] += len(ids)
+        return ids
+
+    def accounting(self) -> dict[str, Any]:
+        """Every dispatched episode is trained, dropped, failed, buffered, in training or in flight."""
+        in_training = sum(len(v) for v in self.training.values())
+        return {
+            "dispatched": self.counts["dispatched"],
+            "trained": self.counts["trained"],
+            "dropped": dict(self.dropped),
+            "failed": dict(self.failed),
+            "buffered": len(self.buffer),
+            "in_training": in_training,
+            "in_flight": len(self.in_flight),
+            "ignored": self.counts["ignored_unknown_or_duplicate"],
+            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+        }
+
+    def balanced(self) -> bool:
+        acc = self.accounting()
+        ended = acc["trained"] + sum(acc["dropped"].values()) + sum(acc["failed"].values())
+        return acc["dispatched"] == ended + acc["buffered"] + acc["in_training"] + acc["in_flight"]
+
+
+def ticket_to_dict(ticket: EpisodeTicket) -> dict[str, Any]:
+    return asdict(ticket)
+
+
+def ticket_from_dict(data: Mapping[str, Any]) -> EpisodeTicket:
+    return EpisodeTicket(**{k: data[k] for k in EpisodeTicket.__dataclass_fields__})

@@ -1,0 +1,81 @@
+"""Per-step metrics of a run: `metrics.jsonl` (one JSON row per optimizer step, appended and flushed),
+TensorBoard scalars under `tensorboard/`, a console progress line, and the end-of-run summary table.
+
+Only the controller writes these; readers (`launch.py report`, people) may read them while the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._fh = self.path.open("a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        self._fh.write(json.dumps(row, sort_keys=True) + "\n")
+        self._fh.flush()
+        if self._tb is not None:
+            step = int(row["step"])
+            for key, value in row.items():
+                if isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows
+
+
+def progress_line(row: Mapping[str, Any], num_steps: int) -> str:
+    fams = " ".join(
+        f"{k.split('/', 1)[1]}={row[k]:.2f}" for k in sorted(row) if k.startswith("train_success/")
+    )
+    return (
+        f"step {row['step'] + 1}/{num_steps} v{row['version']} {row['wall_s']:.0f}s "
+        f"success={row['train_success']:.2f} [{fams}] loss={row.get('loss', 0.0):+.4f} "
+        f"stale={row.get('mean_staleness', 0.0):.2f} traj={row['trained_trajectories']}"
+    )
+
+
+def summary_table(summary: Mapping[str, Any], console: Console | None = None) -> str:
+    """Render the end-of-run summary (success per family, trajectories by status, staleness, time split)."""
+    console = console or Console(record=True, width=100)
+    table = Table(title="run summary", show_header=True)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for family, value in sorted(summary.get("success_by_family", {}).items()):
+        table.add_row(f"train success, {family} (first -> last step)", value)
+    for status, count in summary.get("trajectories", {}).items():
+        table.add_row(f"trajectories {status}", str(count))
+    for lag, count in summary.get("staleness", {}).items():
+        table.add_row(f"trained with staleness {lag}", str(count))
+    for role, seconds in summary.get("time_split_s", {}).items():
+        table.add_row(f"busy time, {role}", f"{seconds:.1f}s")
+    console.print(table)
+    return console.export_text()

@@ -1,0 +1,42 @@
+"""Reward rank of an RL run: scores finished trajectories with the stateless per-family reward functions
+(`rollart_hpc.reward`) and forwards them to the controller. Any number of reward ranks may run; env ranks
+spread trajectories over them round robin."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from rollart_hpc.config.schema import Config
+from rollart_hpc.controller import protocol as proto
+from rollart_hpc.rl_common import RunContext
+
+
+async def serve(ctx: RunContext) -> float:
+    from rollart_hpc.reward.pool import RewardPool
+
+    pool = RewardPool()
+    busy_s, stopping = 0.0, False
+    try:
+        while not stopping:
+            for msg in ctx.mailbox.poll():
+                if msg.tag == proto.SCORE:
+                    start = time.perf_counter()
+                    ctx.mailbox.send(await pool.score(msg.payload), 0, proto.RESULT)
+                    busy_s += time.perf_counter() - start
+                elif msg.tag == proto.STOP:
+                    stopping = True
+            ctx.mailbox.check()
+            await asyncio.sleep(0.001)
+    finally:
+        pool.close()
+    return busy_s
+
+
+def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
+    ctx.mailbox.wait_for(proto.START, source=0)
+    ctx.mailbox.send("ready", 0, proto.READY)
+    busy_s = asyncio.run(serve(ctx))
+    ctx.mailbox.send({"role": "reward", "busy_s": busy_s}, 0, proto.STATS)
+    ctx.mailbox.flush()

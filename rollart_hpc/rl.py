@@ -1,0 +1,44 @@
+"""The RL job (`run.job = "rl"`): every rank builds its RunContext, joins the weights group, and enters
+its role's main. See `rollart_hpc.rl_common` for the start-up order and the controller, rollout, env,
+reward and train packages for each role's loop."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from rollart_hpc.cluster.mailbox import Mailbox
+from rollart_hpc.cluster.world import World
+from rollart_hpc.config.schema import Config
+from rollart_hpc.metrics.log import rank_logger
+from rollart_hpc.rl_common import RunContext, torch_backend
+
+# role -> module with `main(config, ctx, run_dir)`; explicit.
+ROLE_MAINS: dict[str, str] = {
+    "controller": "rollart_hpc.controller.main",
+    "rollout": "rollart_hpc.rollout.main",
+    "env": "rollart_hpc.envs.main",
+    "reward": "rollart_hpc.reward.main",
+    "trainer": "rollart_hpc.train.main",
+}
+
+
+def main(config: Config, world: World, run_dir: Path) -> None:
+    log = rank_logger(world.role, world.rank, run_dir)
+    watch = range(world.plan.world_size) if world.rank == 0 else [0]
+    mailbox = Mailbox(world, watch, config.controller.heartbeat_s)
+    ctx = RunContext(config, world, run_dir, log, mailbox)
+    try:
+        if world.rank in ctx.weight_members:
+            from rollart_hpc.weights.group import make_standalone_group
+
+            ctx.weights_group = make_standalone_group(
+                world,
+                ctx.weight_members,
+                torch_backend(config),
+                world.timeout_s,  # type: ignore[arg-type]
+            )
+        importlib.import_module(ROLE_MAINS[world.role]).main(config, ctx, run_dir)
+        log.info(f"{world.role} rank {world.rank} done")
+    finally:
+        mailbox.close()

@@ -1,0 +1,113 @@
+"""Rollout rank of an RL run: one built-in engine serving env workers over MPI, weights swapped in the background.
+
+Loop: receive GENERATE/ABORT from env ranks and WEIGHTS announcements from the publishing trainer; step the
+engine while it has work; send each finished output back to the env rank that asked. On WEIGHTS(v) a
+background thread joins the weight broadcast and stages the tensors with `engine.update_weights`; the
+engine swaps them between two steps (no forward mixes versions), after which this rank reports
+LOADED(v) to the controller. Every wait is bounded: the mailbox's liveness check names a silent peer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rollart_hpc.config.schema import Config
+from rollart_hpc.controller import protocol as proto
+from rollart_hpc.rl_common import RunContext
+
+
+class _WeightThread:
+    """Receives one published version off the main loop and stages it into the engine."""
+
+    def __init__(self, receiver: Any, engine: Any) -> None:
+        self.receiver, self.engine = receiver, engine
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self, version: int) -> None:
+        self.join()
+        self.thread = threading.Thread(target=self._run, args=(version,), name="weights-recv", daemon=True)
+        self.thread.start()
+
+    def _run(self, version: int) -> None:
+        try:
+            got_version, named = self.receiver.receive()
+            if got_version != version:
+                raise RuntimeError(f"announced weights version {version} but received {got_version}")
+            self.engine.update_weights(named, got_version)
+        except BaseException as exc:  # re-raised in the main loop
+            self.error = exc
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"weight receive failed: {self.error}") from self.error
+
+
+def serve(ctx: RunContext, engine: Any, receiver: Any) -> None:
+    mailbox = ctx.mailbox
+    owners: dict[str, int] = {}
+    weights = _WeightThread(receiver, engine)
+    reported = engine.version
+    busy_s, stopping = 0.0, False
+    while not stopping or engine.has_unfinished():
+        for msg in mailbox.poll():
+            if msg.tag == proto.GENERATE:
+                request_id, prompt, sampling = msg.payload
+                owners[request_id] = msg.source
+                engine.add_request(request_id, prompt, sampling)
+            elif msg.tag == proto.ABORT:
+                engine.abort(msg.payload)
+            elif msg.tag == proto.WEIGHTS:
+                weights.start(int(msg.payload))
+            elif msg.tag == proto.STOP:
+                stopping = True
+                for request_id in list(owners):
+                    engine.abort(request_id)
+        weights.raise_error()
+        if engine.has_unfinished():
+            start = time.perf_counter()
+            for out in engine.step():
+                dest = owners.pop(out.request_id, None)
+                if dest is not None:
+                    mailbox.send(out, dest, proto.OUTPUT)
+            busy_s += time.perf_counter() - start
+        elif engine.has_staged_weights():
+            engine.step()  # an idle engine swaps staged weights at once
+        else:
+            time.sleep(0.0005)
+        if engine.version != reported:
+            reported = engine.version
+            mailbox.send(reported, 0, proto.LOADED)
+        mailbox.check()
+    weights.join()
+    mailbox.send({"role": "rollout", "busy_s": busy_s}, 0, proto.STATS)
+    mailbox.flush()
+
+
+def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
+    import torch
+
+    from rollart_hpc.rollout.engine import LLMEngine
+
+    torch.set_num_threads(config.rollout.num_threads)
+    model_dir = Path(ctx.mailbox.wait_for(proto.START, source=0).payload["model_dir"])
+    receiver = ctx.make_weight_receiver()
+    engine = LLMEngine.from_pretrained(
+        model_dir,
+        num_slots=config.rollout.num_slots,
+        max_model_len=config.rollout.max_model_len,
+        version=0,
+        seed=config.run.seed + ctx.world.rank,
+    )
+    ctx.log.info(f"engine ready: {config.rollout.num_slots} slots, model {model_dir}")
+    ctx.mailbox.send("ready", 0, proto.READY)
+    serve(ctx, engine, receiver)

@@ -1,0 +1,150 @@
+"""Controller bookkeeping with plain fakes: admission, staleness, accounting (DESIGN invariants 1-3)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollart_hpc.algo.sampler import TaskSampler
+from rollart_hpc.algo.tracker import EventTimeTracker
+from rollart_hpc.controller.core import ControllerCore
+from rollart_hpc.envs.types import Trajectory
+
+TASKS = [f"t{i}" for i in range(6)]
+
+
+def make_core(mode="async", s=1, batch=3, steps=4, cap=1, seed=0):
+    tracker = EventTimeTracker({t: (0.5, 0.5) for t in TASKS})
+    sampler = TaskSampler(TASKS, tracker, max_in_flight_per_task=cap, seed=seed)
+    return ControllerCore(
+        batch_size=batch,
+        max_staleness=s,
+        mode=mode,
+        num_steps=steps,
+        tracker=tracker,
+        sampler=sampler,
+        seed=seed,
+        clock=lambda: 0.0,
+    )
+
+
+def finish(ticket, version, failed=False, reward=1.0):
+    traj = Trajectory(task_id=ticket.task_id, family="f", tags=(), episode_id=ticket.episode_id)
+    traj.append([1, 2], False, [], [])
+    traj.append([3], True, [-0.5], [version])
+    if failed:
+        traj.status, traj.finish_cause = "failed", "crash"
+    else:
+        traj.reward, traj.success, traj.finish_cause = reward, reward > 0, "done"
+    return traj
+
+
+def test_admission_bound_and_batch_barrier_sync():
+    core = make_core(mode="sync", s=0, batch=3, cap=2)
+    tickets = [core.dispatch() for _ in range(5)]
+    assert [t is not None for t in tickets] == [True, True, True, False, False]
+    assert core.next_batch() is None  # waits for the whole batch
+    for t in tickets[:3]:
+        core.on_result(finish(t, 0))
+    batch = core.next_batch()
+    assert batch is not None and batch.step == 0 and len(batch.results) == 3
+    assert core.dispatch() is None  # next batch needs the new version on every rollout engine
+    core.on_published(1)
+    assert core.dispatch() is None
+    core.on_rollout_version(1)
+    assert core.dispatch() is not None
+
+
+def test_mode_staleness_must_agree():
+    with pytest.raises(ValueError, match="implies max_staleness 0"):
+        make_core(mode="sync", s=1)
+
+
+def test_failed_frees_its_slot_and_is_counted():
+    core = make_core(s=0, batch=2, cap=1)
+    a, b = core.dispatch(), core.dispatch()
+    assert b is not None
+    assert core.dispatch() is None
+    assert core.on_result(finish(a, 0, failed=True)) == "failed"
+    c = core.dispatch()
+    assert c is not None
+    assert core.on_result(finish(a, 0)) == "ignored"  # a duplicate result is never counted twice
+    assert core.accounting()["failed"] == {"crash": 1} and core.balanced()
+
+
+def test_due_trajectories_are_waited_for():
+    core = make_core(s=1, batch=2, steps=5, cap=1)
+    t = [core.dispatch() for _ in range(4)]  # limit (0 + 1 + 1) * 2 = 4
+    assert core.dispatch() is None
+    for x in t[1:]:
+        core.on_result(finish(x, 0))
+    batch = core.next_batch()
+    assert batch is not None  # step 0: nothing is due yet (v0 = 0 > 0 - 1)
+    core.on_published(1)
+    assert core.waiting_for() == [t[0].episode_id]
+    assert core.next_batch() is None  # step 1 must include t0 (v0 = 0 = 1 - s)
+    core.on_result(finish(t[0], 0))
+    batch = core.next_batch()
+    assert t[0].episode_id in [r.ticket.episode_id for r in batch.results]
+
+
+events = st.lists(
+    st.tuples(st.sampled_from(["dispatch", "finish", "fail", "batch", "rollout"]), st.integers(0, 1000)),
+    max_size=120,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=events,
+    s=st.integers(0, 2),
+    mode=st.sampled_from(["async", "one_step_off", "sync"]),
+    batch=st.integers(1, 4),
+    seed=st.integers(0, 3),
+)
+def test_random_interleavings_keep_invariants(ops, s, mode, batch, seed):
+    s = {"sync": 0, "one_step_off": 1}.get(mode, s)
+    core = make_core(mode=mode, s=s, batch=batch, steps=6, cap=2, seed=seed)
+    trained_at = {}
+    for op, pick in ops:
+        if op == "dispatch":
+            core.dispatch()
+        elif op in ("finish", "fail") and core.in_flight:
+            ticket = list(core.in_flight.values())[pick % len(core.in_flight)]
+            core.on_result(finish(ticket, max(ticket.version, core.rollout_version), failed=op == "fail"))
+        elif op == "batch":
+            b = core.next_batch()
+            if b is not None:
+                for r in b.results:
+                    assert r.ticket.episode_id not in trained_at
+                    assert b.step - r.trajectory.oldest_version() <= s
+                    trained_at[r.ticket.episode_id] = b.step
+                core.on_published(b.step + 1)
+        elif op == "rollout":
+            core.on_rollout_version(core.version)
+        assert core.balanced()
+        assert core.admitted <= core.admission_limit()
+    assert not core.dropped.get("stale")
+    # liveness: finishing everything in flight always lets the run reach its last step
+    for _ in range(200):
+        if core.done:
+            break
+        core.on_rollout_version(core.version)
+        while core.dispatch() is not None:
+            pass
+        for ticket in list(core.in_flight.values()):
+            core.on_result(finish(ticket, core.rollout_version))
+        b = core.next_batch()
+        if b is not None:
+            core.on_published(b.step + 1)
+    assert core.done and core.balanced()
+
+
+def test_baseline_frozen_at_dispatch():
+    core = make_core(s=1, batch=2, cap=3)
+    first = core.dispatch()
+    frozen = first.baseline
+    others = [core.dispatch() for _ in range(3)]
+    for t in others:
+        if t is not None and t.task_id == first.task_id:
+            core.on_result(finish(t, 0, reward=1.0))
+    assert first.baseline == frozen
