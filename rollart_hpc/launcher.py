@@ -89,21 +89,29 @@ def run_world(run_dir: Path, world_size: int, timeout_s: float = 0.0) -> int:
     )
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
     reason = None
+    vanished: list[int] = []  # ranks whose process ended, in the order the launcher saw it
     try:
         while proc.poll() is None:
+            note_vanished(run_dir, vanished)
             if deadline is not None and time.monotonic() > deadline:
                 reason = f"launch timeout of {timeout_s:g}s reached"
                 break
-            time.sleep(0.1)
+            time.sleep(0.02)
     except KeyboardInterrupt:
         reason = "interrupted (Ctrl-C)"
     if reason is not None:
         stop_session(proc)
     leftovers = reap_ranks(run_dir)
-    return report(run_dir, proc.returncode, reason, leftovers)
+    return report(run_dir, proc.returncode, reason, leftovers, vanished)
 
 
-def stop_session(proc: subprocess.Popen[bytes]) -> None:
+def note_vanished(run_dir: Path, vanished: list[int]) -> None:
+    for rank, pid in rank_pids(run_dir).items():
+        if rank not in vanished and not pid_alive(pid):
+            vanished.append(rank)
+
+
+def stop_session(proc: subprocess.Popen[str]) -> None:
     """SIGTERM mpiexec's session (it forwards to the ranks), then SIGKILL after a grace period."""
     for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         try:
@@ -122,6 +130,13 @@ def rank_pids(run_dir: Path) -> dict[int, int]:
     for path in (run_dir / "pids").glob("rank-*.pid"):
         pids[int(path.stem.split("-")[1])] = int(json.loads(path.read_text())["pid"])
     return pids
+
+
+def rank_roles(run_dir: Path) -> dict[int, str]:
+    roles = {}
+    for path in (run_dir / "pids").glob("rank-*.pid"):
+        roles[int(path.stem.split("-")[1])] = str(json.loads(path.read_text())["role"])
+    return roles
 
 
 def pid_alive(pid: int) -> bool:
@@ -144,7 +159,9 @@ def reap_ranks(run_dir: Path, grace_s: float = 5.0) -> list[int]:
     return leftovers
 
 
-def report(run_dir: Path, returncode: int | None, reason: str | None, leftovers: list[int]) -> int:
+def report(
+    run_dir: Path, returncode: int | None, reason: str | None, leftovers: list[int], vanished: list[int]
+) -> int:
     failures = (
         sorted(
             (json.loads(p.read_text()) for p in (run_dir / "failures").glob("rank-*.json")),
@@ -159,11 +176,19 @@ def report(run_dir: Path, returncode: int | None, reason: str | None, leftovers:
         later = ", ".join(f"rank {f['rank']} ({f['role']})" for f in failures[1:])
         if later:
             print(f"error: then also failed: {later} (see {run_dir / 'failures'})", file=sys.stderr)
+    if returncode != 0 and not failures and vanished and reason is None:
+        # No rank reported an error: the first process to vanish died without a word (SIGKILL, OOM, crash).
+        rank = vanished[0]
+        role = rank_roles(run_dir).get(rank, "?")
+        print(
+            f"error: rank {rank} ({role}) died without reporting an error (killed or crashed)",
+            file=sys.stderr,
+        )
     if leftovers:
         print(f"warning: killed leftover rank processes {leftovers}", file=sys.stderr)
     if reason is not None:
         print(f"error: run stopped: {reason}", file=sys.stderr)
         return 130 if "Ctrl-C" in reason else 1
-    if returncode != 0 and not failures:
+    if returncode != 0 and not failures and not vanished:
         print(f"error: mpiexec exited with code {returncode} and no rank reported a failure", file=sys.stderr)
     return 0 if returncode == 0 and not failures else 1

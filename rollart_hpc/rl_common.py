@@ -13,9 +13,10 @@ Start-up order (no deadlock, every wait bounded):
 from __future__ import annotations
 
 import logging
+import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rollart_hpc.cluster.mailbox import Mailbox
 from rollart_hpc.cluster.world import World
@@ -40,16 +41,21 @@ class RunContext:
     def weight_members(self) -> list[int]:
         return [self.ranks["trainer"][0], *self.ranks["rollout"]]
 
+    def install_stop_handler(self, event: Any) -> None:
+        """SIGUSR1/SIGUSR2 (SLURM's --signal, preemption notice) ask the controller to checkpoint and exit."""
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, lambda signum, frame: event.set())
+
     def make_weight_receiver(self) -> Any:
         from rollart_hpc.weights.publisher import WeightReceiver
 
         return WeightReceiver(self.weights_group, src_member=0)
 
 
-def torch_backend(config: Config) -> str:
+def torch_backend(config: Config) -> Literal["gloo", "nccl"]:
     from rollart_hpc.cluster.torchdist import pick_backend
 
-    return pick_backend(config.cluster.torch_backend)
+    return "nccl" if pick_backend(config.cluster.torch_backend) == "nccl" else "gloo"
 
 
 def agent_config(config: Config) -> Any:

@@ -20,11 +20,21 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 TINY = [
-    "model.hidden_size=64", "model.num_layers=1", "model.vocab_size=400",
-    "envs.families=['calc_math']", "envs.num_tasks.calc_math=12", "envs.calc_max_ops=1", "envs.num_slots=4",
-    "rollout.max_model_len=512", "rollout.max_new_tokens=16", "rollout.num_slots=8",
-    "trainer.sft_steps=2", "trainer.sft_batch_size=4",
-    "controller.batch_size=4", "controller.num_steps=3", "controller.heartbeat_s=0.5",
+    "model.hidden_size=64",
+    "model.num_layers=1",
+    "model.vocab_size=400",
+    "envs.families=['calc_math']",
+    "envs.num_tasks.calc_math=12",
+    "envs.calc_max_ops=1",
+    "envs.num_slots=4",
+    "rollout.max_model_len=512",
+    "rollout.max_new_tokens=16",
+    "rollout.num_slots=8",
+    "trainer.sft_steps=2",
+    "trainer.sft_batch_size=4",
+    "controller.batch_size=4",
+    "controller.num_steps=3",
+    "controller.heartbeat_s=0.5",
     "cluster.peer_timeout_s=240",
 ]
 
@@ -32,9 +42,20 @@ TINY = [
 def run(tmp_path, name, *overrides):
     run_dir = tmp_path / name
     result = subprocess.run(
-        [sys.executable, str(REPO / "launch.py"), "run", "configs/local.toml", "--run-dir", str(run_dir),
-         *TINY, *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            str(REPO / "launch.py"),
+            "run",
+            "configs/local.toml",
+            "--run-dir",
+            str(run_dir),
+            *TINY,
+            *overrides,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return run_dir
@@ -49,8 +70,9 @@ def trained_by_step(run_dir):
 
 
 def test_async_run_accounts_for_every_trajectory(tmp_path):
-    run_dir = run(tmp_path, "async", "controller.mode=async", "controller.max_staleness=1",
-                  "envs.faults.crash_prob=0.1")
+    run_dir = run(
+        tmp_path, "async", "controller.mode=async", "controller.max_staleness=1", "envs.faults.crash_prob=0.1"
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     acc = summary["accounting"]
     assert summary["balanced"] and acc["in_flight"] == acc["buffered"] == acc["in_training"] == 0
@@ -83,3 +105,104 @@ def test_sync_equals_async_with_zero_staleness(tmp_path):
     async_dir = run(tmp_path, "async0", "controller.mode=async", "controller.max_staleness=0")
     assert trained_by_step(sync_dir) == trained_by_step(async_dir)
     assert len(trained_by_step(sync_dir)) == 3
+
+
+def start_run(run_dir, *overrides):
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "launch.py"),
+            "run",
+            "configs/local.toml",
+            "--run-dir",
+            str(run_dir),
+            *TINY,
+            *overrides,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_until(predicate, timeout_s):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.5)
+
+
+def rows(run_dir):
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def rank_pid(run_dir, rank):
+    return json.loads((run_dir / "pids" / f"rank-{rank}.pid").read_text())["pid"]
+
+
+def resume(run_dir):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "resume", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def assert_complete_once(run_dir, num_steps, batch):
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["balanced"]
+    records = read_store(run_dir / "trajectories.h5").records
+    ids = [r.episode_id for r in records]
+    assert len(ids) == len(set(ids)), "a trajectory was stored twice"
+    trained = [r for r in records if r.final_status == "trained"]
+    assert len(trained) == num_steps * batch == summary["accounting"]["trained"]
+    assert all(
+        r.final_status in ("trained", "dropped", "failed") and (r.final_status == "trained" or r.final_cause)
+        for r in records
+    )
+    assert [r["step"] for r in rows(run_dir)] == list(range(num_steps))
+
+
+def test_stop_signal_checkpoints_then_resume_finishes(tmp_path):
+    import signal
+
+    run_dir = tmp_path / "preempted"
+    proc = start_run(run_dir, "controller.num_steps=4", "controller.checkpoint_every_steps=0")
+    wait_until(lambda: len(rows(run_dir)) >= 2, 600)
+    import os
+
+    os.kill(rank_pid(run_dir, 0), signal.SIGUSR2)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stop requested: checkpointed at version" in out
+    assert not (run_dir / "summary.json").exists()
+    stopped_at = len(rows(run_dir))
+    result = resume(run_dir)
+    assert f"resumed from {run_dir / 'checkpoints'}" in result.stdout
+    assert_complete_once(run_dir, 4, 4)
+    assert stopped_at < 4
+
+
+def test_killed_rank_is_named_and_resume_continues(tmp_path):
+    import os
+    import signal
+
+    from rollart_hpc.controller.checkpoint import latest
+
+    run_dir = tmp_path / "killed"
+    proc = start_run(run_dir, "controller.num_steps=4", "controller.checkpoint_every_steps=1")
+    wait_until(lambda: latest(run_dir) is not None and len(rows(run_dir)) >= 2, 600)
+    os.kill(rank_pid(run_dir, 2), signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "rank 2 (env) died without reporting an error (killed or crashed)" in err
+    resume(run_dir)
+    assert_complete_once(run_dir, 4, 4)

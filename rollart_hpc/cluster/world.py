@@ -32,7 +32,7 @@ class World:
     plan: RunPlan
     env: ProcessEnv
     timeout_s: float
-    role_comm: MPI.Intracomm = field(init=False)
+    role_comm: MPI.Comm = field(init=False)
 
     def __post_init__(self) -> None:
         self.rank = self.comm.Get_rank()

@@ -155,7 +155,9 @@ class EnvsConfig:
                 raise UsageError(f"{path}.families: {name!r} is not one of {', '.join(map(repr, known))}")
         for kind in self.household_types:
             if kind not in HOUSEHOLD_TYPES:
-                raise UsageError(f"{path}.household_types: {kind!r} is not one of {', '.join(HOUSEHOLD_TYPES)}")
+                raise UsageError(
+                    f"{path}.household_types: {kind!r} is not one of {', '.join(HOUSEHOLD_TYPES)}"
+                )
         for name in self.num_tasks:
             if name not in self.families:
                 raise UsageError(f"{path}.num_tasks.{name}: family not in {path}.families")
@@ -206,11 +208,17 @@ class ControllerConfig:
     batch_size: int = doc_field(16, "Trajectories per optimizer step.")
     num_steps: int = doc_field(20, "Optimizer steps of the RL phase.")
     heartbeat_s: float = doc_field(2.0, "Interval of liveness messages between ranks.")
+    checkpoint_every_steps: int = doc_field(
+        10, "Run checkpoint every this many steps (0 = only on SIGUSR1/2)."
+    )
+    keep_checkpoints: int = doc_field(2, "Complete checkpoints kept (older ones are removed).")
 
     def validate(self, path: str) -> None:
         natural = {"sync": 0, "one_step_off": 1}.get(self.mode)
         if natural is not None and self.max_staleness not in (-1, natural):
             raise UsageError(f"{path}.max_staleness: mode {self.mode!r} implies {natural}; leave it at -1")
+        if self.checkpoint_every_steps < 0 or self.keep_checkpoints < 1:
+            raise UsageError(f"{path}: checkpoint_every_steps >= 0 and keep_checkpoints >= 1 required")
         if self.batch_size < 1 or self.num_steps < 1 or self.max_staleness < -1:
             raise UsageError(f"{path}: batch_size >= 1, num_steps >= 1, max_staleness >= -1 required")
 

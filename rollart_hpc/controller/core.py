@@ -213,6 +213,48 @@ class ControllerCore:
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
         }
 
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the run: versions, counters, tickets in flight, buffered results
+        (with their trajectories), the tracker and the sampler (with its RNG). Steps handed to the trainer
+        but not yet published must not exist when a checkpoint is taken (see `quiescent`)."""
+        if self.training:
+            raise RuntimeError(f"checkpoint while steps {sorted(self.training)} are being trained")
+        return {
+            "version": self.version,
+            "next_episode": self.next_episode,
+            "admitted": self.admitted,
+            "in_flight": [asdict(t) for t in self.in_flight.values()],
+            "buffer": [(asdict(r.ticket), r.trajectory, r.finish_time) for r in self.buffer.values()],
+            "counts": dict(self.counts),
+            "dropped": dict(self.dropped),
+            "failed": dict(self.failed),
+            "staleness": dict(self.staleness),
+            "tracker": self.tracker.state_dict(),
+            "sampler": self.sampler.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a `state_dict()`; rollout engines restart at `version`, tickets in flight are kept so
+        that the caller dispatches them again (`in_flight`) and none is counted twice."""
+        self.version = self.rollout_version = int(state["version"])
+        self.next_episode, self.admitted = int(state["next_episode"]), int(state["admitted"])
+        self.in_flight = {t["episode_id"]: ticket_from_dict(t) for t in state["in_flight"]}
+        self.buffer = OrderedDict(
+            (t["episode_id"], BufferedResult(ticket_from_dict(t), traj, finish))
+            for t, traj, finish in state["buffer"]
+        )
+        self.training = {}
+        self.counts, self.dropped = Counter(state["counts"]), Counter(state["dropped"])
+        self.failed, self.staleness = Counter(state["failed"]), Counter(state["staleness"])
+        self.tracker.load_state_dict(state["tracker"])
+        self.sampler.load_state_dict(state["sampler"])
+
+    @property
+    def quiescent(self) -> bool:
+        """No step is with the trainer: the moment a checkpoint may be taken."""
+        return not self.training
+
     def balanced(self) -> bool:
         acc = self.accounting()
         ended = acc["trained"] + sum(acc["dropped"].values()) + sum(acc["failed"].values())

@@ -12,6 +12,7 @@ ranks get STOP. The accounting is then balanced: dispatched = trained + dropped 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -71,6 +72,10 @@ class Controller:
         self.busy: Counter[str] = Counter()
         self.first_success: dict[str, float] = {}
         self.last_success: dict[str, float] = {}
+        self.redispatch: list[Any] = []
+        self.last_checkpoint = 0  # tickets in flight at the checkpoint a run resumed from
+        self.wall_offset = 0.0
+        self.stop_requested = threading.Event()  # set by SIGUSR1/SIGUSR2: checkpoint, then exit
 
     # ---- messages -------------------------------------------------------------------------------
     def handle(self, msg: Message) -> None:
@@ -110,16 +115,22 @@ class Controller:
         self.store.mark(ids, "trained", step, "")
         self.trainer_busy = False
         row = {**self.pending_row, **{k: v for k, v in report.items() if k != "step"}}
-        row.update(step=step, version=step + 1, wall_s=time.monotonic() - self.started)
+        row.update(step=step, version=step + 1, wall_s=self.wall_s())
         row.update({f"count/{k}": v for k, v in self.counts().items()})
         self.metrics.log(row)
+        self.note_success(row)
+        from rollart_hpc.metrics.run_metrics import progress_line
+
+        self.ctx.log.info(progress_line(row, self.core.num_steps))
+
+    def note_success(self, row: dict[str, Any]) -> None:
         for key, value in row.items():
             if key.startswith("train_success/"):
                 self.first_success.setdefault(key.split("/", 1)[1], value)
                 self.last_success[key.split("/", 1)[1]] = value
-        from rollart_hpc.metrics.run_metrics import progress_line
 
-        self.ctx.log.info(progress_line(row, self.core.num_steps))
+    def wall_s(self) -> float:
+        return self.wall_offset + time.monotonic() - self.started
 
     def counts(self) -> dict[str, int]:
         acc = self.core.accounting()
@@ -138,7 +149,7 @@ class Controller:
             rank = min(self.env_load, key=lambda r: (self.env_load[r], r))
             if self.env_load[rank] >= capacity:
                 return
-            ticket = self.core.dispatch()
+            ticket = self.redispatch.pop(0) if self.redispatch else self.core.dispatch()
             if ticket is None:
                 return
             payload = ticket_to_dict(ticket)
@@ -147,7 +158,7 @@ class Controller:
             self.ctx.mailbox.send(payload, rank, proto.DISPATCH)
 
     def train(self) -> None:
-        if self.trainer_busy:
+        if self.trainer_busy or self.checkpoint_due():
             return
         batch = self.core.next_batch()
         if batch is None:
@@ -159,15 +170,84 @@ class Controller:
         self.pending_row = {**batch_stats(batch), **{f"adv/{k}": v for k, v in diagnostics.items()}}
         self.trainer_busy = True
 
-    def loop(self) -> None:
+    def loop(self) -> bool:
+        """Run until the last step, or until a requested stop has been checkpointed (returns True then)."""
         mailbox = self.ctx.mailbox
         while not self.core.done:
             for msg in mailbox.poll():
                 self.handle(msg)
+            if self.checkpoint_due() and not self.trainer_busy:
+                self.checkpoint()
+                if self.stop_requested.is_set():
+                    return True
             self.dispatch()
             self.train()
             mailbox.check()
             time.sleep(0.0005)
+        return False
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def restart_metrics(self, version: int) -> None:
+        from rollart_hpc.metrics.run_metrics import MetricsWriter, truncate_metrics
+
+        self.metrics.close()
+        for row in truncate_metrics(self.ctx.run_dir, version):
+            self.note_success(row)
+        self.metrics = MetricsWriter(self.ctx.run_dir)
+
+    def start_fresh(self) -> None:
+        """No checkpoint: whatever an earlier attempt wrote before its first checkpoint is discarded."""
+        from rollart_hpc.store.trajectories import StorePosition
+
+        if self.store.position().rows:
+            self.ctx.log.info("no checkpoint in the run directory: starting over")
+        self.store.truncate_to(StorePosition(0, 0, 0))
+        self.restart_metrics(0)
+
+    def checkpoint_due(self) -> bool:
+        every = self.config.controller.checkpoint_every_steps
+        periodic = every > 0 and self.core.version % every == 0 and self.core.version > self.last_checkpoint
+        return self.stop_requested.is_set() or periodic
+
+    def checkpoint(self) -> Path:
+        """Trainers save their part first; the controller's state and the COMPLETE marker come last."""
+        from rollart_hpc.controller import checkpoint as ckpt
+
+        path = ckpt.step_dir(self.ctx.run_dir, self.core.version)
+        path.mkdir(parents=True, exist_ok=True)
+        for rank in self.ctx.ranks["trainer"]:
+            self.ctx.mailbox.send(str(path / "trainer"), rank, proto.CHECKPOINT)
+        for rank in self.ctx.ranks["trainer"]:
+            self.ctx.mailbox.wait_for(proto.CHECKPOINTED, source=rank)
+        state = {
+            "core": self.core.state_dict(),
+            "store": self.store.position().as_dict(),
+            "loaded_history": self.loaded_history,
+            "wall_s": self.wall_s(),
+        }
+        ckpt.write_controller_state(path, state)
+        ckpt.prune(self.ctx.run_dir, self.config.controller.keep_checkpoints)
+        self.last_checkpoint = self.core.version
+        self.ctx.log.info(f"checkpoint at version {self.core.version}: {path}")
+        return path
+
+    def resume(self, path: Path) -> None:
+        """Continue from a checkpoint: state back, store and metrics truncated, in-flight tickets queued again."""
+        from rollart_hpc.controller import checkpoint as ckpt
+        from rollart_hpc.store.trajectories import StorePosition
+
+        state = ckpt.read_controller_state(path)
+        self.core.load_state_dict(state["core"])
+        self.store.truncate_to(StorePosition(**state["store"]))
+        self.restart_metrics(self.core.version)
+        self.loaded_history = {int(k): list(v) for k, v in state["loaded_history"].items()}
+        self.loaded = dict.fromkeys(self.loaded, self.core.version)
+        self.redispatch = list(self.core.in_flight.values())
+        self.wall_offset = float(state["wall_s"])
+        self.last_checkpoint = self.core.version
+        self.ctx.log.info(
+            f"resumed from {path}: version {self.core.version}, {len(self.redispatch)} trajectories to dispatch again"
+        )
 
     def shutdown(self) -> dict[str, Any]:
         mailbox, ranks = self.ctx.mailbox, self.ctx.ranks
@@ -208,42 +288,54 @@ class Controller:
         }
 
 
-def start_workers(config: Config, ctx: RunContext, run_dir: Path) -> Path:
-    """START the trainers with the initial model; once they are warm, START everyone else with it."""
+def start_workers(config: Config, ctx: RunContext, run_dir: Path, resume: Path | None, version: int) -> Path:
+    """START the trainers with the initial model (and the checkpoint to resume from); once they are warm
+    (or restored), START everyone else with the trainers' current weights at `version`."""
     from rollart_hpc.controller.model_prep import prepare_model
 
     mailbox, ranks = ctx.mailbox, ctx.ranks
     model_init = prepare_model(config, run_dir)
     ctx.log.info(f"initial model ready at {model_init}")
+    trainer_part = str(resume / "trainer") if resume is not None else None
     for rank in ranks["trainer"]:
-        mailbox.send({"model_dir": str(model_init)}, rank, proto.START)
-    warm = Path(mailbox.wait_for(proto.READY, source=ranks["trainer"][0]).payload["model_dir"])
+        mailbox.send({"model_dir": str(model_init), "resume": trainer_part}, rank, proto.START)
+    current = Path(mailbox.wait_for(proto.READY, source=ranks["trainer"][0]).payload["model_dir"])
     for rank in ranks["trainer"][1:]:
         mailbox.wait_for(proto.READY, source=rank)
-    ctx.log.info(f"warm start done: {warm}")
+    ctx.log.info(f"trainers ready at version {version}: {current}")
     others = ranks["rollout"] + ranks["env"] + ranks["reward"]
     for rank in others:
-        mailbox.send({"model_dir": str(warm)}, rank, proto.START)
+        mailbox.send({"model_dir": str(current), "version": version}, rank, proto.START)
     for rank in others:
         mailbox.wait_for(proto.READY, source=rank)
-    return warm
+    return current
 
 
 def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
+    from rollart_hpc.controller.checkpoint import latest
     from rollart_hpc.metrics.run_metrics import summary_table
 
     tasks = run_tasks(config)
     controller = Controller(config, ctx, tasks)
-    start_workers(config, ctx, run_dir)
+    ctx.install_stop_handler(controller.stop_requested)
+    resume = latest(run_dir)
+    if resume is not None:
+        controller.resume(resume)
+    else:
+        controller.start_fresh()
+    start_workers(config, ctx, run_dir, resume, controller.core.version)
     ctx.log.info(
         f"RL starts: {len(tasks)} tasks, mode {config.controller.mode}, staleness "
         f"{config.controller.staleness}, {config.controller.num_steps} steps of {config.controller.batch_size}"
     )
     controller.started = time.monotonic()
-    controller.loop()
+    stopped = controller.loop()
     summary = controller.shutdown()
     controller.store.close()
     controller.metrics.close()
+    if stopped:
+        ctx.log.info(f"stop requested: checkpointed at version {controller.core.version}; resume to continue")
+        return
     atomic_write_json(run_dir / "summary.json", summary)
     ctx.log.info("\n" + summary_table(summary))
     if not summary["balanced"]:

@@ -13,6 +13,9 @@ rollout -> controller   LOADED        version now loaded by that engine
 any -> any              STOP          reason; the receiver finishes its work and exits
 rank -> controller      READY         the rank has set up (model loaded, groups joined)
 controller -> all       START         model directory and facts every rank needs
+controller -> trainer   CHECKPOINT    directory for the trainers' part of a run checkpoint
+trainer -> controller   CHECKPOINTED  that part is written
+rank -> controller      STATS         the rank's busy time, sent as it exits
 """
 
 DISPATCH = 1
@@ -29,3 +32,5 @@ STOP = 11
 READY = 12
 START = 13
 STATS = 14
+CHECKPOINT = 15
+CHECKPOINTED = 16

@@ -52,6 +52,16 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def truncate_metrics(run_dir: Path, version: int) -> list[dict[str, Any]]:
+    """Keep the rows of steps before `version` (a resumed run continues there); returns them."""
+    from rollart_hpc.store.atomic import atomic_write_bytes
+
+    rows = [r for r in read_metrics(run_dir) if int(r["step"]) < version]
+    text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+    atomic_write_bytes(run_dir / "metrics.jsonl", text.encode())
+    return rows
+
+
 def progress_line(row: Mapping[str, Any], num_steps: int) -> str:
     fams = " ".join(
         f"{k.split('/', 1)[1]}={row[k]:.2f}" for k in sorted(row) if k.startswith("train_success/")

@@ -99,13 +99,14 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     from rollart_hpc.rollout.engine import LLMEngine
 
     torch.set_num_threads(config.rollout.num_threads)
-    model_dir = Path(ctx.mailbox.wait_for(proto.START, source=0).payload["model_dir"])
+    start = ctx.mailbox.wait_for(proto.START, source=0).payload
+    model_dir = Path(start["model_dir"])
     receiver = ctx.make_weight_receiver()
     engine = LLMEngine.from_pretrained(
         model_dir,
         num_slots=config.rollout.num_slots,
         max_model_len=config.rollout.max_model_len,
-        version=0,
+        version=int(start["version"]),
         seed=config.run.seed + ctx.world.rank,
     )
     ctx.log.info(f"engine ready: {config.rollout.num_slots} slots, model {model_dir}")

@@ -127,9 +127,13 @@ def rl_loop(config: Config, ctx: RunContext, trainer: Any, publisher: Any) -> fl
     cfg = loss_config(config)
     busy_s = 0.0
     while True:
-        msg = mailbox.wait_for(frozenset([proto.BATCH, proto.STOP]), source=0)
+        msg = mailbox.wait_for(frozenset([proto.BATCH, proto.CHECKPOINT, proto.STOP]), source=0)
         if msg.tag == proto.STOP:
             break
+        if msg.tag == proto.CHECKPOINT:
+            trainer.save_checkpoint(msg.payload)
+            mailbox.send(msg.payload, 0, proto.CHECKPOINTED)
+            continue
         shard = msg.payload
         start = time.perf_counter()
         report = trainer.rl_step(shard_to_batch(shard), shard.num_global_action_tokens, cfg)
@@ -150,7 +154,9 @@ def rl_loop(config: Config, ctx: RunContext, trainer: Any, publisher: Any) -> fl
 
 def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     # Megatron warns at import that Apex/Transformer Engine are absent (expected without CUDA).
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
+    warnings.filterwarnings(
+        "ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*"
+    )
     warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
     import torch
     from transformers import AutoTokenizer
@@ -161,17 +167,22 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
 
     torch.set_num_threads(config.trainer.num_threads)
     init_trainer_group(ctx)
-    model_init = Path(ctx.mailbox.wait_for(proto.START, source=0).payload["model_dir"])
+    start = ctx.mailbox.wait_for(proto.START, source=0).payload
+    model_init = Path(start["model_dir"])
     trainer = Trainer(model_init, trainer_config(config, config.trainer.sft_lr, ctx.world.timeout_s))
-    tokenizer = AutoTokenizer.from_pretrained(model_init)
-    start = time.perf_counter()
-    warm_start(config, ctx, trainer, tokenizer)
+    started = time.perf_counter()
+    if start["resume"] is None:
+        warm_start(config, ctx, trainer, AutoTokenizer.from_pretrained(model_init))
+        current = run_dir / "model" / "warm"
+    else:
+        step = trainer.load_checkpoint(start["resume"])
+        ctx.log.info(f"restored trainer checkpoint {start['resume']} (optimizer step {step})")
+        current = run_dir / "model" / f"resumed-{Path(start['resume']).parent.name}"
     set_lr(trainer, config.trainer.lr)
     first = ctx.world.rank == ctx.ranks["trainer"][0]
-    warm = run_dir / "model" / "warm"
     if first:
-        trainer.save_hf(warm)
-    ctx.mailbox.send({"model_dir": str(warm), "sft_s": time.perf_counter() - start}, 0, proto.READY)
+        trainer.save_hf(current)
+    ctx.mailbox.send({"model_dir": str(current), "setup_s": time.perf_counter() - started}, 0, proto.READY)
     publisher = None
     if first:
         bucket_bytes = int(config.trainer.bucket_mb * 2**20)
