@@ -75,8 +75,13 @@ def family_specs(config: Config) -> dict[str, Any]:
     from rollart_hpc.envs.registry import FamilySpec
 
     options: dict[str, dict[str, Any]] = {"calc_math": {"max_ops": config.envs.calc_max_ops}}
+    household: dict[str, Any] = {}
     if config.envs.household_types:
-        options["household"] = {"types": tuple(config.envs.household_types)}
+        household["types"] = tuple(config.envs.household_types)
+    if config.envs.household_numbered:
+        household["numbered"] = True
+    if household:
+        options["household"] = household
     return {name: FamilySpec.of(name, **options.get(name, {})) for name in config.envs.families}
 
 

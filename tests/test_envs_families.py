@@ -157,3 +157,34 @@ def test_household_generation_is_byte_identical(household_root: Path, tmp_path: 
     subprocess.run(cmd, env=env, check=True, timeout=120)
     digest = hashlib.sha256((tmp_path / "g" / "game_001.z8").read_bytes()).hexdigest()
     assert digest == load_manifest(household_root)[1]["sha256"]
+
+
+def test_household_numbered_actions(household_root: Path) -> None:
+    fam = household.HouseholdFamily(types=("put_on",), numbered=True)
+    task = fam.tasks()[0]
+    assert "number" in task.system
+    assert run_oracle(fam, task.id).won
+    env = fam.make_env()
+    try:
+        obs = env.reset(task.id)
+        assert "Actions: 1: " in obs
+        obs, reward, done, info = env.step("99")
+        assert "Nothing happens: '99' is not one of the actions." in obs and not done and reward == 0.0
+        first = obs.split("Actions: 1: ", 1)[1].split(" | ")[0]
+        obs2, *_ = env.step(first)  # the action's text is accepted too
+        assert "Nothing happens" not in obs2
+    finally:
+        env.close()
+
+
+def test_household_rejects_interpreter_commands(household_root: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    env = household.HouseholdFamily().make_env()
+    try:
+        env.reset(household.task_id(0))
+        for command in ("save", "restore", "script", "quit", "save\nfoo.qzl"):
+            obs, reward, done, _ = env.step(command)
+            assert obs.startswith("Nothing happens") and not done and reward == 0.0
+    finally:
+        env.close()
+    assert list(tmp_path.iterdir()) == []

