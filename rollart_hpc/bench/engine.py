@@ -1,0 +1,225 @@
+"""`bench engine`: the built-in engine against HF `generate`, side by side, same prompts and lengths.
+
+Both run greedy decoding of exactly `--max-tokens` new tokens per prompt (end-of-sequence ignored), in
+batches of `--batch`, in the same process, dtype and thread count, alternating `--repeats` times so
+that load on a shared machine hits both alike. Tokens/s counts generated tokens over wall time
+including prefill. The JSON holds `engine_tok_s` and `hf_tok_s` (medians over repeats), `ratio` (the
+median of per-repeat ratios, each from an engine run and the HF run right after it, which cancels slow
+drifts in machine load), every repeat, the mean fraction of leading greedy tokens on which the two agree
+(HF's left-padded batch differs from unpadded runs in the last bits, so long greedy runs can part at
+near-ties), and machine info.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rollart_hpc.errors import UsageError
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain what a binary search does.",
+    "List three fruits that are red.",
+    "How many legs does a spider have?",
+    "Give me a tip for learning to cook.",
+    "What is 17 times 3?",
+    "Describe a kitchen in one sentence.",
+)
+DEFAULT_SMOLLM2_DIR = Path.home() / ".cache" / "rollart_hpc" / "smollm2-135m-instruct"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="smollm2, tiny, or a path to an HF safetensors dir")
+    parser.add_argument(
+        "--smollm2-dir", type=Path, default=DEFAULT_SMOLLM2_DIR, help="where SmolLM2 is imported"
+    )
+    parser.add_argument("--batch", type=int, default=16, help="engine slots and HF generate batch size")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
+    parser.add_argument("--num-prompts", type=int, default=None, help="prompts per repeat (default: --batch)")
+    parser.add_argument("--repeats", type=int, default=1, help="alternating engine/HF rounds")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", type=Path, default=None, help="write the result here")
+
+
+def _resolve_model(name: str, smollm2_dir: Path, scratch: Path) -> Path:
+    if name == "smollm2":
+        if not (smollm2_dir / "config.json").is_file():
+            from rollart_hpc.models.smollm2 import import_smollm2
+
+            import_smollm2(smollm2_dir)
+        return smollm2_dir
+    if name == "tiny":
+        from rollart_hpc.models.tiny import make_tiny_model
+
+        return make_tiny_model(scratch / "tiny", family="llama")
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--model {name!r} is neither smollm2, tiny, nor an HF model directory")
+    return path
+
+
+def _prompts(tokenizer: Any, num: int) -> list[list[int]]:
+    out = []
+    for i in range(num):
+        chat = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)
+        out.append(list(ids["input_ids"]))
+    return out
+
+
+def _run_hf(
+    model: Any, prompts: list[list[int]], batch: int, max_tokens: int, pad_id: int
+) -> tuple[float, list]:
+    import torch
+
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.inference_mode():
+            gen = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+        outputs.extend(gen[:, width:].tolist())
+    return time.perf_counter() - start, outputs
+
+
+def _run_engine(engine: Any, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, list]:
+    from rollart_hpc.rollout.types import SamplingParams
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, sampling)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out.token_ids
+    elapsed = time.perf_counter() - start
+    return elapsed, [done[f"{tag}-{i}"] for i in range(len(prompts))]
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean fraction of each sequence's leading tokens on which the two greedy runs agree."""
+    fractions = []
+    for x, y in zip(a, b, strict=True):
+        n = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
+        fractions.append(n / max(len(x), 1))
+    return sum(fractions) / len(fractions)
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    cpu = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        cpu = next(
+            (ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if "model name" in ln), ""
+        )
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_avg": list(os.getloadavg()),
+    }
+
+
+def _load_pair(model_dir: Path, dtype_name: str, slots: int, max_len: int) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollart_hpc.rollout.engine import LLMEngine
+
+    dtype = getattr(torch, dtype_name)
+    engine = LLMEngine.from_pretrained(
+        model_dir, num_slots=slots, max_model_len=max_len, dtype=dtype, eos_token_ids=()
+    )
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return engine, hf
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.batch < 1 or args.max_tokens < 1 or args.repeats < 1:
+        raise UsageError("--batch, --max-tokens and --repeats must be >= 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise UsageError("--num-prompts must be >= 1")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    _validate(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    num_prompts = args.num_prompts or args.batch
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = _resolve_model(args.model, args.smollm2_dir, Path(scratch))
+        result = bench(model_dir, args.batch, args.max_tokens, num_prompts, args.repeats, args.dtype)
+    result["model"] = args.model
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    return 0
+
+
+def bench(model_dir: Path, batch: int, max_tokens: int, num_prompts: int, repeats: int, dtype: str) -> dict:
+    """Measure both generators; return the JSON-ready result."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = _prompts(tokenizer, num_prompts)
+    max_len = max(len(p) for p in prompts) + max_tokens + 1
+    engine, hf = _load_pair(model_dir, dtype, batch, max_len)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    _run_engine(engine, prompts[:1], 2, "warmup")
+    _run_hf(hf, prompts[:1], 1, 2, pad_id)
+    engine_times, hf_times = [], []
+    for r in range(repeats):
+        t_engine, engine_out = _run_engine(engine, prompts, max_tokens, f"r{r}")
+        t_hf, hf_out = _run_hf(hf, prompts, batch, max_tokens, pad_id)
+        engine_times.append(t_engine)
+        hf_times.append(t_hf)
+    total = num_prompts * max_tokens
+    engine_tok_s = total / statistics.median(engine_times)
+    hf_tok_s = total / statistics.median(hf_times)
+    paired = [h / e for e, h in zip(engine_times, hf_times, strict=True)]
+    return {
+        "engine_tok_s": engine_tok_s,
+        "hf_tok_s": hf_tok_s,
+        "ratio": statistics.median(paired),
+        "ratio_per_repeat": paired,
+        "engine_s": engine_times,
+        "hf_s": hf_times,
+        "greedy_agreement_vs_hf_batched": _agreement(engine_out, hf_out),
+        "linear_backend": engine.linear_backend,
+        "batch": batch,
+        "max_tokens": max_tokens,
+        "num_prompts": num_prompts,
+        "prompt_lens": [len(p) for p in prompts],
+        "dtype": dtype,
+        "machine": _machine(),
+    }

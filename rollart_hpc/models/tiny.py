@@ -1,0 +1,198 @@
+"""Tiny random Llama/Qwen2 decoders with a small byte-level BPE tokenizer, saved in HF layout.
+
+Deterministic: the same arguments (and the same corpus, in the same order) give byte-identical
+tokenizer files and identical weights. Every parameter is drawn from one seeded generator in sorted
+name order, independent of transformers' own init. Biases and norm weights are drawn too (not left at
+0/1) so that every code path of a forward pass is exercised by parity tests.
+
+The directory holds config.json, generation_config.json, model.safetensors and tokenizer files, and
+loads with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` and with
+`rollart_hpc.models.checkpoint.load_checkpoint`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+FAMILIES = ("llama", "qwen2")
+PAD_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+DEFAULT_CORPUS = (
+    "You are in a kitchen. There is a fridge, a table and a door to the north.",
+    "> open fridge\nYou open the fridge. Inside you see an apple, a carrot and some milk.",
+    "> take apple\nYou take the apple from the fridge.",
+    "> go north\nYou are in a corridor. Exits: south, east.",
+    "What is 12 + 30? The answer is 42. What is 7 * 8? The answer is 56.",
+    "Compute 123 - 45 = 78. Compute 9 * 9 = 81. Compute 100 / 4 = 25.",
+    "The frozen lake: move left, right, up or down to reach the goal without falling into a hole.",
+    "Please think step by step and give the final answer at the end.",
+    "Hello! How can I help you today? Thank you, goodbye.",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 + - * / = ( ) . , ; : ! ? ' \"",
+)
+
+
+def make_tiny_tokenizer(
+    corpus: Iterable[str] | None = None, vocab_size: int = 512
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer (all 256 bytes + merges + 3 ChatML specials) on `corpus`.
+
+    The vocabulary has at most `vocab_size` entries (fewer when the corpus has too few merges).
+
+    eos is `<|im_end|>` (ends an assistant turn), pad is `<|endoftext|>`; no BOS is prepended.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = list(DEFAULT_CORPUS if corpus is None else corpus)
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(
+            f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} for a byte-level BPE, got {vocab_size}"
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        bos_token=None,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def tiny_config(
+    family: str,
+    vocab_size: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    tie_word_embeddings: bool,
+    rope_theta: float,
+) -> Any:
+    """The HF config (LlamaConfig or Qwen2Config) of a tiny model."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if head_dim < 64:
+        raise ValueError(f"head_dim must be >= 64 (vLLM's CPU attention needs it), got {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    cls = LlamaConfig if family == "llama" else Qwen2Config
+    fields: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+    }
+    return cls(**fields)
+
+
+def _init_parameters(model: Any, seed: int, std: float) -> None:
+    """Deterministic init: one generator, parameters in sorted name order."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * std
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            p.copy_(noise + base)
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    family: str = "llama",
+    seed: int = 0,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate_size: int | None = None,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool = True,
+    rope_theta: float = 10000.0,
+    init_std: float = 0.02,
+    corpus: Iterable[str] | None = None,
+) -> Path:
+    """Write a tiny random `family` model with its tokenizer to `out_dir` (fp32 safetensors); return the path.
+
+    The defaults give about 3 M parameters. The tokenizer is trained on `corpus` (default: a small
+    built-in sample of game and arithmetic text).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    tokenizer = make_tiny_tokenizer(corpus, vocab_size=vocab_size)
+    config = tiny_config(
+        family,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_theta=rope_theta,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _init_parameters(model, seed, init_std)
+    if tie_word_embeddings:
+        model.tie_weights()
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,338 @@
+"""The built-in continuous-batching engine (vLLM-shaped): add_request / abort / step / update_weights.
+
+Dataflow. `add_request` queues a request; each `step()`:
+1. swaps in staged weights, if any (the only place the active snapshot changes);
+2. reports requests that failed validation or were aborted since the last step;
+3. decodes one token for every running slot whose KV cache is up to date (one batched forward);
+4. admits waiting requests into free slots and (re-)prefills every slot whose cache is behind
+   (a new prompt, or all running slots after a swap when `recompute_on_swap`), one forward per slot;
+5. samples, applies stop conditions, frees finished slots, and returns finished (and streamed) outputs.
+
+Invariants:
+- Slots: a fixed number, KV cache preallocated. Running requests occupy rows 0..n-1; a freed row is
+  refilled at once by moving the last row into it, so decode always reads contiguous rows.
+- Versions: all forward passes of one step read the same `PackedWeights` snapshot; `update_weights`
+  (thread-safe, callable from any thread while another thread steps) only stages a new snapshot.
+  With `recompute_on_swap` (default) every running request's cache is rebuilt under the new weights
+  before its next token, so every token after the swap comes from the new version alone.
+- Every token carries the version of the snapshot that produced it, and its log-prob under the
+  distribution it was sampled from.
+
+Per-request errors (empty prompt, prompt of max_model_len tokens or more, token id outside the
+vocabulary, stop strings without a tokenizer) do not raise: the next `step()` returns that request
+with finish_reason "error" and a message, and the engine keeps serving the others. Programming
+errors (a duplicate request id) raise ValueError.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollart_hpc.models.checkpoint import check_weights, drop_tied_head, load_weights
+from rollart_hpc.models.config import ModelConfig, load_config
+from rollart_hpc.models.decoder import Decoder, Segment, SlotKVCache
+from rollart_hpc.models.packed import PackedWeights, pack_weights, resolve_backend, unpack_weights
+from rollart_hpc.rollout.sampling import sample
+from rollart_hpc.rollout.types import FinishReason, RequestOutput, SamplingParams
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    stream: bool
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    cached: int = 0
+    stop_text: str | None = None
+
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class LLMEngine:
+    """Continuous batching over `num_slots` slots of up to `max_model_len` tokens each (prompt + output)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        tokenizer: Any | None = None,
+        num_slots: int = 16,
+        max_model_len: int = 2048,
+        dtype: torch.dtype = torch.float32,
+        version: int = 0,
+        seed: int = 0,
+        eos_token_ids: Iterable[int] | None = None,
+        recompute_on_swap: bool = True,
+        max_num_batched_tokens: int = 2048,
+        linear_backend: str = "auto",
+    ) -> None:
+        if max_num_batched_tokens <= num_slots:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed num_slots ({num_slots})"
+            )
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.config = config
+        self.tokenizer = tokenizer
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.recompute_on_swap = recompute_on_swap
+        self.eos_token_ids = frozenset(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self._decoder = Decoder(config, max_model_len, dtype)
+        self._cache = SlotKVCache(config, num_slots, max_model_len, dtype)
+        check_weights(config, drop_tied_head(config, dict(weights)), complete=True)
+        self.linear_backend = resolve_backend(linear_backend, dtype)
+        self._weights = pack_weights(config, weights, dtype, self.linear_backend)
+        self._version = version
+        self._default_generator = torch.Generator().manual_seed(seed)
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._pending: list[RequestOutput] = []
+        self._known: set[str] = set()
+        self._stage_lock = threading.Lock()
+        self._update_lock = threading.Lock()
+        self._staged: tuple[PackedWeights, int] | None = None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> LLMEngine:
+        """Load config, weights and (if present) tokenizer from an HF safetensors directory."""
+        config = load_config(model_dir)
+        tokenizer = kwargs.pop("tokenizer", None) or _load_tokenizer(Path(model_dir))
+        return cls(config, load_weights(model_dir, config), tokenizer=tokenizer, **kwargs)
+
+    # ----- public API -----
+    @property
+    def version(self) -> int:
+        """The policy version of the active weights (staged weights become active at the next step)."""
+        return self._version
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting, running, or has an unreported result."""
+        return bool(self._waiting or self._running or self._pending)
+
+    def has_staged_weights(self) -> bool:
+        with self._stage_lock:
+            return self._staged is not None
+
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, stream: bool = False
+    ) -> None:
+        """Queue a request; with `stream`, `step()` also returns a partial output after each new token."""
+        if request_id in self._known:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        error = self._validate(prompt_token_ids, sampling)
+        if error is not None:
+            out = RequestOutput(
+                request_id, list(prompt_token_ids), finished=True, finish_reason="error", error=error
+            )
+            self._pending.append(out)
+            return
+        gen = None if sampling.seed is None else torch.Generator().manual_seed(sampling.seed)
+        stop_ids = self.eos_token_ids | frozenset(sampling.stop_token_ids)
+        self._waiting.append(_Request(request_id, list(prompt_token_ids), sampling, stop_ids, stream, gen))
+        self._known.add(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; the next `step()` returns it (tokens so far) with finish_reason "abort"."""
+        for req in self._waiting:
+            if req.request_id == request_id:
+                self._waiting.remove(req)
+                self._pending.append(self._finish(req, "abort"))
+                return True
+        for row, req in enumerate(self._running):
+            if req.request_id == request_id:
+                self._pending.append(self._finish(req, "abort"))
+                self._release([row])
+                return True
+        return False
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Stage new weights (HF names; a subset updates only those) to be swapped in before the next step.
+
+        Thread-safe; generation continues meanwhile. A later call before the swap replaces the staged
+        snapshot (merging over it). For a tied head, `lm_head.weight` is dropped (it is the embedding).
+        """
+        tensors = drop_tied_head(self.config, dict(named_tensors))
+        check_weights(self.config, tensors, complete=False)
+        with self._update_lock:
+            with self._stage_lock:
+                base = self._staged[0] if self._staged is not None else self._weights
+            merged = {**unpack_weights(self.config, base), **tensors}
+            packed = pack_weights(self.config, merged, self.dtype, self.linear_backend)
+            with self._stage_lock:
+                self._staged = (packed, version)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """HF-named views of the active weights (read-only use)."""
+        return unpack_weights(self.config, self._weights)
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration; return finished outputs (and partial ones of streaming requests)."""
+        self._swap_staged()
+        outputs, self._pending = self._pending, []
+        self._admit()
+        stepped = self._forward_step()
+        return outputs + self._collect(stepped)
+
+    # ----- internals -----
+    def _validate(self, prompt: list[int], sampling: SamplingParams) -> str | None:
+        if not prompt:
+            return "empty prompt"
+        if len(prompt) >= self.max_model_len:
+            return f"prompt has {len(prompt)} tokens; the context limit is {self.max_model_len} (prompt + output)"
+        if min(prompt) < 0 or max(prompt) >= self.config.vocab_size:
+            return f"prompt token id outside the vocabulary [0, {self.config.vocab_size})"
+        if sampling.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer; the engine has none"
+        return None
+
+    def _swap_staged(self) -> None:
+        with self._stage_lock:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        self._weights, self._version = staged
+        if self.recompute_on_swap:
+            for req in self._running:
+                req.cached = 0
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.num_slots:
+            self._running.append(self._waiting.popleft())
+
+    def _plan(self) -> tuple[list[Segment], list[int], list[int]]:
+        """This step's segments (decodes first), their token ids, and which segments end in a sample."""
+        segments: list[Segment] = []
+        token_ids: list[int] = []
+        sampled: list[int] = []
+        for row, req in enumerate(self._running):
+            if req.cached == len(req.prompt) + len(req.output) - 1:
+                sampled.append(len(segments))
+                segments.append(Segment(row, req.cached, 1))
+                token_ids.append(req.tokens()[-1])
+        budget = self.max_num_batched_tokens - len(segments)
+        for row, req in enumerate(self._running):
+            tokens = req.tokens()
+            todo = len(tokens) - req.cached
+            if todo <= 1 or budget <= 0:
+                continue
+            n = min(todo, budget)
+            if n == todo:
+                sampled.append(len(segments))
+            segments.append(Segment(row, req.cached, n))
+            token_ids.extend(tokens[req.cached : req.cached + n])
+            budget -= n
+        return segments, token_ids, sampled
+
+    def _forward_step(self) -> list[_Request]:
+        """One forward pass over all planned segments; returns the requests that got a new token."""
+        segments, token_ids, sampled = self._plan()
+        if not segments:
+            return []
+        logits = self._decoder.forward(self._weights, self._cache, torch.tensor(token_ids), segments)
+        for seg in segments:
+            self._running[seg.slot].cached = seg.start + seg.length
+        reqs = [self._running[segments[i].slot] for i in sampled]
+        self._append_samples(reqs, logits[sampled])
+        return reqs
+
+    def _append_samples(self, reqs: list[_Request], logits: torch.Tensor) -> None:
+        params = [req.sampling for req in reqs]
+        gens = [req.generator for req in reqs]
+        tokens, logprobs = sample(logits, params, gens, self._default_generator)
+        for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
+            req.output.append(tok)
+            req.logprobs.append(lp)
+            req.versions.append(self._version)
+
+    def _finish_reason(self, req: _Request) -> FinishReason | None:
+        if req.output[-1] in req.stop_ids:
+            return "stop"
+        if req.sampling.stop and self._match_stop_string(req):
+            return "stop"
+        if (
+            len(req.output) >= req.sampling.max_tokens
+            or len(req.prompt) + len(req.output) >= self.max_model_len
+        ):
+            return "length"
+        return None
+
+    def _match_stop_string(self, req: _Request) -> bool:
+        text = self._decode_text(req.output)
+        hits = [i for i in (text.find(s) for s in req.sampling.stop) if i >= 0]
+        if hits:
+            req.stop_text = text[: min(hits)]
+        return bool(hits)
+
+    def _decode_text(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def _collect(self, stepped: list[_Request]) -> list[RequestOutput]:
+        outputs, done = [], []
+        rows = {id(req): row for row, req in enumerate(self._running)}
+        for req in stepped:
+            row = rows[id(req)]
+            reason = self._finish_reason(req)
+            if reason is not None:
+                outputs.append(self._finish(req, reason))
+                done.append(row)
+            elif req.stream:
+                outputs.append(self._snapshot(req, finished=False, reason=None))
+        self._release(done)
+        return outputs
+
+    def _snapshot(self, req: _Request, finished: bool, reason: FinishReason | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt),
+            token_ids=list(req.output),
+            logprobs=list(req.logprobs),
+            versions=list(req.versions),
+            text=self._decode_text(req.output) if req.stop_text is None else req.stop_text,
+            finished=finished,
+            finish_reason=reason,
+        )
+
+    def _finish(self, req: _Request, reason: FinishReason) -> RequestOutput:
+        self._known.discard(req.request_id)
+        return self._snapshot(req, finished=True, reason=reason)
+
+    def _release(self, rows: list[int]) -> None:
+        """Free `rows`, keeping running requests in rows 0..n-1 by moving tail rows into the holes."""
+        if not rows:
+            return
+        freed = set(rows)
+        keep = len(self._running) - len(freed)
+        holes = [r for r in sorted(freed) if r < keep]
+        movers = [r for r in range(keep, len(self._running)) if r not in freed]
+        for hole, src in zip(holes, movers, strict=True):
+            self._cache.move(src, hole, self._running[src].cached)
+            self._running[hole] = self._running[src]
+        del self._running[keep:]
+
+
+def _load_tokenizer(model_dir: Path) -> Any | None:
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

