@@ -123,3 +123,13 @@ def test_ctrl_c_stops_whole_world(tmp_path):
     assert proc.returncode == 130, err
     assert "interrupted (Ctrl-C)" in err
     assert not any(pid_alive(p) for p in rank_pids(run_dir))
+
+
+def test_mailbox_liveness(tmp_path):
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    script = REPO / "tests" / "mpi_scripts" / "mailbox_check.py"
+    cmd = [mpiexec, "-n", "4", "--oversubscribe", sys.executable, str(script), str(tmp_path)]
+    subprocess.run(cmd, env=mpi_environment(), check=True, timeout=120, capture_output=True)
+    results = {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(4)}
+    assert results[1] == {"got": "go"}  # a busy rank does not call its peers silent
+    assert "no message from env rank 2 (env #0)" in results[0]["error"]

@@ -42,6 +42,10 @@ class Mailbox:
         self.last_heard = {rank: now for rank in watch if rank != world.rank}
         self._pending: list[tuple[Any, int]] = []
         self._backlog: list[Message] = []
+        # Silence counts only while this rank listens: after a busy stretch without polling (a long
+        # training step), every peer gets a whole timeout from the moment listening resumes.
+        self._last_poll = now
+        self._listening_since = now
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
         self._beats.start()
@@ -70,6 +74,10 @@ class Mailbox:
     def poll(self) -> list[Message]:
         """All messages that have arrived, without blocking; heartbeats are consumed here."""
         status = self._mpi.Status()
+        now = time.monotonic()
+        if now - self._last_poll > self.heartbeat_s:
+            self._listening_since = now
+        self._last_poll = now
         messages, self._backlog = self._backlog, []
         while self.world.comm.iprobe(source=self._mpi.ANY_SOURCE, tag=self._mpi.ANY_TAG, status=status):
             source, tag = status.Get_source(), status.Get_tag()
@@ -100,7 +108,7 @@ class Mailbox:
         """Raise if a watched peer has been silent longer than the peer timeout."""
         now = time.monotonic()
         for rank, heard in self.last_heard.items():
-            if now - heard > self.world.timeout_s:
+            if now - max(heard, self._listening_since) > self.world.timeout_s:
                 raise PeerTimeoutError(
                     f"{self.world.me}: no message from {self.world.plan.describe(rank)} for "
                     f"{now - heard:.0f}s (peer timeout {self.world.timeout_s:g}s)"
