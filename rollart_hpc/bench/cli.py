@@ -7,8 +7,11 @@ import argparse
 import importlib
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "engine": ("rollart_hpc.bench.engine", "built-in engine vs HF generate tokens/s (JSON)"),
     "kernel": ("rollart_hpc.bench.kernel", "fused LM-head log-prob + SPO++ loss vs eager (JSON)"),
     "weights": ("rollart_hpc.bench.weights", "weight sync: bucketed publish vs raw broadcast (JSON)"),
+    "controller": ("rollart_hpc.bench.controller", "controller bookkeeping rate and 10k in flight (JSON)"),
+    "e2e": ("rollart_hpc.bench.e2e", "sync vs one_step_off vs async runs: time to target, throughput (JSON)"),
 }
 
 

@@ -88,6 +88,7 @@ class ControllerCore:
         self.next_episode = 0
         self.admitted = 0  # dispatched and not failed
         self.in_flight: dict[str, EpisodeTicket] = {}
+        self._in_flight_by_version: Counter[int] = Counter()  # dispatch version -> tickets in flight
         self.buffer: OrderedDict[str, BufferedResult] = OrderedDict()
         self.training: dict[int, list[str]] = {}  # step -> episode ids handed to the trainer
         self.counts: Counter[str] = Counter()
@@ -126,6 +127,7 @@ class ControllerCore:
         self.next_episode += 1
         self.admitted += 1
         self.in_flight[ticket.episode_id] = ticket
+        self._in_flight_by_version[ticket.version] += 1
         self.counts["dispatched"] += 1
         return ticket
 
@@ -136,12 +138,16 @@ class ControllerCore:
         if ticket is None:
             self.counts["ignored_unknown_or_duplicate"] += 1
             return "ignored"
+        self._in_flight_by_version[ticket.version] -= 1
+        if not self._in_flight_by_version[ticket.version]:
+            del self._in_flight_by_version[ticket.version]
         self.sampler.release(ticket.task_id)
         if trajectory.status == "failed":
             self.admitted -= 1  # frees its admission slot; nothing was learned from it
             self.failed[trajectory.failure_cause] += 1
             return "failed"
         self.tracker.observe(ticket.task_id, trajectory.reward, ticket.event)
+        self.sampler.refresh(ticket.task_id)
         if self.version - ticket.version > self.max_staleness:
             self.dropped["stale"] += 1
             return "dropped"
@@ -154,9 +160,16 @@ class ControllerCore:
         due = self.version - self.max_staleness
         return [e for e, t in self.in_flight.items() if t.version <= due]
 
+    def _due_in_flight(self) -> bool:
+        """Whether `waiting_for()` is non-empty, in O(versions in flight) instead of O(tickets)."""
+        due = self.version - self.max_staleness
+        return any(version <= due for version in self._in_flight_by_version)
+
     def next_batch(self) -> Batch | None:
         """The batch of step n = self.version: due results first, then by completion; None to wait."""
-        if self.version >= self.num_steps or self.version in self.training or self.waiting_for():
+        if self.version >= self.num_steps or self.version in self.training or self._due_in_flight():
+            return None
+        if len(self.buffer) < self.batch_size:
             return None
         due_version = self.version - self.max_staleness
         due = [e for e, r in self.buffer.items() if r.ticket.version <= due_version]
@@ -178,7 +191,7 @@ class ControllerCore:
             raise ValueError(f"published version {version} does not follow step {self.version}")
         self.counts["trained"] += len(self.training.pop(version - 1))
         self.version = version
-        self.tracker.on_policy_event()
+        self.tracker.on_policy_event()  # a common decay: no task's value changes, so no sampler refresh
 
     def on_rollout_version(self, version: int) -> None:
         if version < self.rollout_version or version > self.version:
@@ -240,6 +253,7 @@ class ControllerCore:
         self.version = self.rollout_version = int(state["version"])
         self.next_episode, self.admitted = int(state["next_episode"]), int(state["admitted"])
         self.in_flight = {t["episode_id"]: ticket_from_dict(t) for t in state["in_flight"]}
+        self._in_flight_by_version = Counter(t.version for t in self.in_flight.values())
         self.buffer = OrderedDict(
             (t["episode_id"], BufferedResult(ticket_from_dict(t), traj, finish))
             for t, traj, finish in state["buffer"]
@@ -249,6 +263,7 @@ class ControllerCore:
         self.failed, self.staleness = Counter(state["failed"]), Counter(state["staleness"])
         self.tracker.load_state_dict(state["tracker"])
         self.sampler.load_state_dict(state["sampler"])
+        self.sampler.refresh_all()
 
     @property
     def quiescent(self) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 from rollart_hpc.config.schema import Config
 from rollart_hpc.controller import protocol as proto
+from rollart_hpc.metrics.timeline import Timeline
 from rollart_hpc.rl_common import RunContext, agent_config, env_worker_config, family_specs
 from rollart_hpc.rollout.types import RequestOutput, SamplingParams
 
@@ -74,13 +75,15 @@ class EnvRank:
         self.rewards = itertools.cycle(ctx.ranks["reward"]) if ctx.ranks["reward"] else None
         self.stopping = False
         self.busy_s = 0.0
+        self.timeline = Timeline("env", ctx.world.rank)
 
     async def episode(self, ticket: dict[str, Any]) -> None:
         start = time.perf_counter()
         task = self.tasks[ticket["task_id"]]
-        traj = await self.worker.run_episode(
-            task, self.client, dispatch=ticket, episode_id=ticket["episode_id"]
-        )
+        with self.timeline.span():
+            traj = await self.worker.run_episode(
+                task, self.client, dispatch=ticket, episode_id=ticket["episode_id"]
+            )
         self.busy_s += time.perf_counter() - start
         if traj.status == "ok" and self.rewards is not None:
             self.ctx.mailbox.send(traj, next(self.rewards), proto.SCORE)
@@ -118,6 +121,7 @@ async def serve(config: Config, ctx: RunContext, tokenizer: Any) -> float:
     async with EnvWorker(env_worker_config(config), agent_config(config), tokenizer, specs) as worker:
         rank = EnvRank(config, ctx, worker, tasks)
         await rank.pump()
+        rank.timeline.write(ctx.run_dir)
         return rank.busy_s
 
 

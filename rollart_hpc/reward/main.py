@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rollart_hpc.config.schema import Config
 from rollart_hpc.controller import protocol as proto
+from rollart_hpc.metrics.timeline import Timeline
 from rollart_hpc.rl_common import RunContext
 
 
@@ -18,12 +19,14 @@ async def serve(ctx: RunContext) -> float:
 
     pool = RewardPool()
     busy_s, stopping = 0.0, False
+    timeline = Timeline("reward", ctx.world.rank)
     try:
         while not stopping:
             for msg in ctx.mailbox.poll():
                 if msg.tag == proto.SCORE:
                     start = time.perf_counter()
-                    ctx.mailbox.send(await pool.score(msg.payload), 0, proto.RESULT)
+                    with timeline.span():
+                        ctx.mailbox.send(await pool.score(msg.payload), 0, proto.RESULT)
                     busy_s += time.perf_counter() - start
                 elif msg.tag == proto.STOP:
                     stopping = True
@@ -31,6 +34,7 @@ async def serve(ctx: RunContext) -> float:
             await asyncio.sleep(0.001)
     finally:
         pool.close()
+    timeline.write(ctx.run_dir)
     return busy_s
 
 

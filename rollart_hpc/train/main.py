@@ -19,6 +19,7 @@ from typing import Any
 
 from rollart_hpc.config.schema import Config
 from rollart_hpc.controller import protocol as proto
+from rollart_hpc.metrics.timeline import Timeline
 from rollart_hpc.rl_common import (
     RunContext,
     agent_config,
@@ -126,6 +127,7 @@ def rl_loop(config: Config, ctx: RunContext, trainer: Any, publisher: Any) -> fl
     mailbox, rollouts = ctx.mailbox, ctx.ranks["rollout"]
     cfg = loss_config(config)
     busy_s = 0.0
+    timeline = Timeline("trainer", ctx.world.rank)
     while True:
         msg = mailbox.wait_for(frozenset([proto.BATCH, proto.CHECKPOINT, proto.STOP]), source=0)
         if msg.tag == proto.STOP:
@@ -136,6 +138,7 @@ def rl_loop(config: Config, ctx: RunContext, trainer: Any, publisher: Any) -> fl
             continue
         shard = msg.payload
         start = time.perf_counter()
+        span_start = time.time()
         report = trainer.rl_step(shard_to_batch(shard), shard.num_global_action_tokens, cfg)
         if publisher is not None:
             version = shard.step + 1
@@ -147,8 +150,10 @@ def rl_loop(config: Config, ctx: RunContext, trainer: Any, publisher: Any) -> fl
                 {**report, "step": shard.step, "train_s": time.perf_counter() - start}, 0, proto.TRAINED
             )
         busy_s += time.perf_counter() - start
+        timeline.add(span_start, time.time())
     if publisher is not None:
         publisher.wait()
+    timeline.write(ctx.run_dir)
     return busy_s
 
 

@@ -1,0 +1,145 @@
+"""`bench e2e`: target and speedup arithmetic, argument checks, and (slow) a real run of tiny worlds."""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollart_hpc.bench import e2e
+from rollart_hpc.errors import UsageError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def args_for(tmp_path, **over):
+    values = dict(
+        json=tmp_path / "e2e.json",
+        config=REPO / "configs" / "local.toml",
+        steps=4,
+        batch=4,
+        modes="sync,one_step_off,async",
+        latency="pareto",
+        latency_scale_s=0.05,
+        latency_max_s=1.0,
+        target_success=None,
+        target_fraction=0.8,
+        window=2,
+        out_dir=None,
+        timeout_s=60.0,
+        overrides=[],
+    )
+    values.update(over)
+    return argparse.Namespace(**values)
+
+
+def rows(walls, successes):
+    return [
+        {"step": i, "wall_s": w, "train_success": s, "trained_trajectories": 4}
+        for i, (w, s) in enumerate(zip(walls, successes, strict=True))
+    ]
+
+
+def test_target_from_final_sync_success_and_time_to_reach_it(tmp_path):
+    sync = rows([1, 2, 3, 4], [0.0, 0.5, 0.5, 1.0])
+    target = e2e.pick_target(args_for(tmp_path), sync)
+    assert target["defined"] and target["value"] == pytest.approx(0.8 * 0.75)
+    # trailing means over 2 steps: 0, 0.25, 0.5, 0.75 -> first >= 0.6 at step 3
+    assert e2e.time_to_target(sync, target) == 4.0
+    assert e2e.time_to_target(rows([1, 2], [0.0, 0.2]), target) is None
+    fixed = e2e.pick_target(args_for(tmp_path, target_success=0.25), sync)
+    assert fixed["value"] == 0.25 and e2e.time_to_target(sync, fixed) == 2.0
+
+
+def test_target_is_undefined_without_sync_success(tmp_path):
+    target = e2e.pick_target(args_for(tmp_path), rows([1, 2], [0.0, 0.0]))
+    assert not target["defined"] and "undefined" in target["note"]
+    assert e2e.time_to_target(rows([1], [1.0]), target) is None
+
+
+def test_speedups_are_ratios_to_sync():
+    results = {
+        "sync": {"time_to_target_s": 10.0, "trajectories_per_s": 2.0, "wall_s": 20.0},
+        "async": {"time_to_target_s": 5.0, "trajectories_per_s": 3.0, "wall_s": 16.0},
+        "one_step_off": {"time_to_target_s": None, "trajectories_per_s": 2.5, "wall_s": 18.0},
+    }
+    e2e.add_speedups(results)
+    assert results["sync"]["speedup_wall"] == 1.0
+    assert results["async"]["speedup_time_to_target"] == 2.0
+    assert results["async"]["speedup_throughput"] == 1.5 and results["async"]["speedup_wall"] == 1.25
+    assert results["one_step_off"]["speedup_time_to_target"] is None
+
+
+def test_mode_overrides_fix_everything_but_the_mode(tmp_path):
+    args = args_for(tmp_path)
+    sync, asy = e2e.mode_overrides(args, "sync"), e2e.mode_overrides(args, "async")
+    assert 'controller.mode="sync"' in sync and "controller.max_staleness=1" in asy
+    assert [o for o in sync if "mode" not in o] == [
+        o for o in asy if "mode" not in o and "staleness" not in o
+    ]
+    assert 'envs.faults.latency="pareto"' in sync and "envs.faults.latency_max_s=1.0" in sync
+
+
+def test_bad_arguments_are_usage_errors(tmp_path):
+    with pytest.raises(UsageError, match="sync included"):
+        e2e.check_args(args_for(tmp_path, modes="async"))
+    with pytest.raises(UsageError, match="target-fraction"):
+        e2e.check_args(args_for(tmp_path, target_fraction=0.0))
+    with pytest.raises(UsageError, match="key=value"):
+        e2e.check_args(args_for(tmp_path, overrides=["oops"]))
+    assert e2e.check_args(args_for(tmp_path, modes="async,sync")) == ["sync", "async"]
+
+
+TINY = [
+    "model.hidden_size=64",
+    "model.num_layers=1",
+    "model.vocab_size=400",
+    "envs.families=['calc_math']",
+    "envs.num_tasks.calc_math=12",
+    "envs.calc_max_ops=1",
+    "envs.num_slots=4",
+    "rollout.max_model_len=512",
+    "rollout.max_new_tokens=16",
+    "rollout.num_slots=8",
+    "trainer.sft_steps=2",
+    "trainer.sft_batch_size=4",
+    "controller.heartbeat_s=0.5",
+    "cluster.peer_timeout_s=240",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_bench_e2e_tiny(tmp_path):
+    out = tmp_path / "e2e.json"
+    cmd = [sys.executable, str(REPO / "launch.py"), "bench", "e2e", "--json", str(out), "--steps", "2"]
+    cmd += [
+        "--batch",
+        "4",
+        "--modes",
+        "sync,async",
+        "--latency-scale-s",
+        "0.02",
+        "--target-success",
+        "0.0001",
+    ]
+    result = subprocess.run([*cmd, *TINY], cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data["modes"]) == {"sync", "async"}
+    for mode, r in data["modes"].items():
+        assert r["steps"] == 2 and r["trained_trajectories"] == 8 and r["balanced"], mode
+        assert set(r["busy_fraction_by_role"]) == {"env", "reward", "rollout", "trainer"}
+        assert all(0 <= f <= 1 for f in r["busy_fraction_by_role"].values())
+        assert (Path(r["run_dir"]) / "report" / "report.md").exists()
+    assert data["modes"]["sync"]["speedup_wall"] == 1.0
+    assert set(
+        json.loads((Path(data["modes"]["async"]["run_dir"]) / "summary.json").read_text())["staleness"]
+    ) <= {
+        "0",
+        "1",
+    }
+    for png in data["plots"].values():
+        assert Path(png).read_bytes()[:4] == b"\x89PNG"
