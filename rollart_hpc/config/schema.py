@@ -148,7 +148,9 @@ class EnvsConfig:
     num_tasks: dict[str, int] = doc_field({}, "Tasks used per family (absent = all of the family).")
     calc_max_ops: int = doc_field(2, "calc_math: most operations per problem (difficulty).")
     household_types: list[str] = doc_field([], "household: quest types to keep (empty = all types).")
-    household_numbered: bool = doc_field(False, "household: list actions with numbers; a reply may be the number.")
+    household_numbered: bool = doc_field(
+        False, "household: list actions with numbers; a reply may be the number."
+    )
     num_slots: int = doc_field(8, "Concurrent episodes per env rank.")
     step_timeout_s: float = doc_field(30.0, "Longest env step before the episode fails as a timeout.")
     episode_timeout_s: float = doc_field(600.0, "Longest episode (LLM turns included).")
