@@ -65,7 +65,7 @@ partition = "train"
 THREE_PARTITIONS = """\
 [run]
 name = "three parts"
-job = "smoke"
+job = "rl"
 [roles.controller]
 partition = "cpu"
 [roles.rollout]
@@ -114,8 +114,8 @@ def _config_file(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def _spec(name: str, run_dir: Path = HOSTILE_RUN_DIR, **kw: object) -> JobSpec:
-    return JobSpec(name, run_dir, 30, 2, python=FIXED_PYTHON, mpi_env=FIXED_MPI_ENV, **kw)  # type: ignore[arg-type]
+def _spec(name: str, run_dir: Path = HOSTILE_RUN_DIR, job: str = "rl") -> JobSpec:
+    return JobSpec(name, run_dir, 30, 2, python=FIXED_PYTHON, mpi_env=FIXED_MPI_ENV, job=job)
 
 
 def _check_golden(name: str, text: str) -> None:
@@ -226,13 +226,14 @@ def test_hetjob_needs_two_components() -> None:
 def _render(tmp_path: Path, text: str) -> str:
     config = load_config(_config_file(tmp_path, text))
     plan = make_plan(config.roles)
-    return render_hetjob(_spec(config.run.name), het_components(plan))
+    return render_hetjob(_spec(config.run.name, job=config.run.job), het_components(plan))
 
 
 def test_golden_hetjob_two_partitions(tmp_path: Path) -> None:
     script = _render(tmp_path, TWO_PARTITIONS)
     _check_golden("hetjob_2_partitions.sbatch", script)
     assert "--het-group=0,1 " in script and script.count("#SBATCH hetjob") == 1
+    assert "\nFINISH_MARKER=''\n" in script  # the smoke job has no checkpoints: its exit 0 is the end
 
 
 def test_golden_hetjob_three_partitions(tmp_path: Path) -> None:
@@ -240,6 +241,7 @@ def test_golden_hetjob_three_partitions(tmp_path: Path) -> None:
     _check_golden("hetjob_3_partitions.sbatch", script)
     assert "--het-group=0,1,2,3 " in script and script.count("#SBATCH hetjob") == 3
     assert "#SBATCH --partition='train gpu'" in script
+    assert "\nFINISH_MARKER=summary.json\n" in script
 
 
 def test_golden_submitit_parameters_and_script(tmp_path: Path) -> None:
@@ -267,13 +269,23 @@ def test_submitit_nodes_must_divide_the_world(tmp_path: Path) -> None:
 
 # --- the rendered script under a real shell ------------------------------------------------------------
 
+# A stub step that stops "at a checkpoint" on SIGUSR2: it records the signal, takes a while (the
+# checkpoint), records that it ended, and exits with STOP_STATUS. Sleeps are short so the trap runs soon.
+STOPPING_STEP = """\
+trap 'printf "step got USR2\\n" >> "$RECORD"; sleep 1; printf "step ended\\n" >> "$RECORD"; exit $STOP_STATUS' USR2
+for _ in $(seq 300); do sleep 0.05; done
+exit 9
+"""
+
 
 def _stub(path: Path, body: str) -> None:
     path.write_text("#!/bin/bash\n" + body)
     path.chmod(0o755)
 
 
-def _shell_fixture(tmp_path: Path, srun_body: str) -> tuple[Path, Path, dict[str, str]]:
+def _shell_fixture(
+    tmp_path: Path, srun_body: str, job: str = "rl", restarts: int = 0
+) -> tuple[Path, Path, dict[str, str]]:
     """A hostile run dir, stub srun/scontrol that record their argv (one per line), and the env to run."""
     run_dir = tmp_path / "a b" / 'it\'s "x" $HOME `id`'
     run_dir.mkdir(parents=True)
@@ -284,7 +296,7 @@ def _shell_fixture(tmp_path: Path, srun_body: str) -> tuple[Path, Path, dict[str
     _stub(bin_dir / "scontrol", f'printf "scontrol\\n" >> "{record}"; printf "%s\\n" "$@" >> "{record}"\n')
     mpi_env = run_dir / "mpi env.sh"
     mpi_env.write_text("export FROM_MPI_ENV=1\n")
-    spec = JobSpec("x", run_dir, 5, 1, python="/usr/bin/python3", mpi_env=mpi_env)
+    spec = JobSpec("x", run_dir, 5, 1, python="/usr/bin/python3", mpi_env=mpi_env, job=job)
     plan = _plan(("controller", 1, "p q"), ("trainer", 2, "t"))
     script = tmp_path / "job.sbatch"
     script.write_text(render_hetjob(spec, het_components(plan)))
@@ -292,16 +304,37 @@ def _shell_fixture(tmp_path: Path, srun_body: str) -> tuple[Path, Path, dict[str
         **os.environ,
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "SLURM_JOB_ID": "77",
-        "SLURM_RESTART_COUNT": "0",
+        "SLURM_RESTART_COUNT": str(restarts),
+        "RECORD": str(record),
+        "STOP_STATUS": "0",
     }
     return script, record, env
 
 
-def test_rendered_script_passes_the_run_dir_verbatim(tmp_path: Path) -> None:
-    script, record, env = _shell_fixture(tmp_path, "exit 3\n")
-    proc = subprocess.run(
+def _run_script(script: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         ["bash", str(script)], env=env, capture_output=True, text=True, timeout=30, check=False
     )
+
+
+def _signal_once_step_runs(script: Path, record: Path, env: dict[str, str]) -> tuple[int, str]:
+    """Start the script, send SIGUSR2 to the batch shell once the step runs; (exit status, stdout)."""
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 10
+    while not (record.exists() and "rollart_hpc.worker" in record.read_text()):
+        assert time.monotonic() < deadline, "the stub step did not start"
+        time.sleep(0.05)
+    time.sleep(0.2)  # the stub has installed its trap
+    proc.send_signal(signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=30)
+    return proc.returncode, out
+
+
+def test_rendered_script_passes_the_run_dir_verbatim_and_a_failed_step_is_not_requeued(
+    tmp_path: Path,
+) -> None:
+    script, record, env = _shell_fixture(tmp_path, "exit 3\n")
+    proc = _run_script(script, env)
     assert proc.returncode == 3, proc.stderr
     calls = record.read_text().splitlines()
     run_dir = str(tmp_path / "a b" / 'it\'s "x" $HOME `id`')
@@ -316,34 +349,124 @@ def test_rendered_script_passes_the_run_dir_verbatim(tmp_path: Path) -> None:
         "rollart_hpc.worker",
         run_dir,
     ]
-    assert "[slurm] step exited with status 3" in proc.stdout
+    assert "[slurm] step exited with status 3" in proc.stdout and "a rank failed or was killed" in proc.stdout
+    assert "scontrol" not in record.read_text()
     assert "[0] rank 0 on p q: controller; [1] ranks 1-2 on t: trainer" in proc.stdout
 
 
-def test_usr2_requeues_while_the_step_runs_then_waits_for_it(tmp_path: Path) -> None:
-    script, record, env = _shell_fixture(tmp_path, "sleep 1.5; exit 0\n")
-    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 10
-    while not (record.exists() and "srun" in record.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR2)
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out
+def test_finished_run_exits_0_without_requeue(tmp_path: Path) -> None:
+    script, record, env = _shell_fixture(tmp_path, 'touch "${*: -1}/summary.json"; exit 0\n')
+    proc = _run_script(script, env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[slurm] run finished" in proc.stdout and "scontrol" not in record.read_text()
+
+
+def test_clean_stop_signalled_to_the_tasks_is_requeued_after_the_step(tmp_path: Path) -> None:
+    # `scancel --signal=USR2 JOB` signals the tasks, not the batch shell: the step just exits 0 early.
+    script, record, env = _shell_fixture(tmp_path, "exit 0\n")
+    proc = _run_script(script, env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert record.read_text().split("scontrol\n")[1].splitlines() == ["requeue", "77"]
-    assert "requeue job 77 (restart 1 of 1)" in out and "step exited with status 0" in out
+    assert "the run stopped at a checkpoint: requeue job 77 (restart 1 of 1)" in proc.stdout
 
 
-def test_usr2_after_the_last_requeue_does_not_requeue(tmp_path: Path) -> None:
-    script, record, env = _shell_fixture(tmp_path, "sleep 1.5; exit 0\n")
-    proc = subprocess.Popen(
-        ["bash", str(script)], env={**env, "SLURM_RESTART_COUNT": "1"}, stdout=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 10
-    while not (record.exists() and "srun" in record.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR2)
-    out, _ = proc.communicate(timeout=30)
-    assert "not requeued again" in out and "scontrol" not in record.read_text()
+def test_usr2_is_forwarded_to_the_step_and_requeue_waits_for_it(tmp_path: Path) -> None:
+    script, record, env = _shell_fixture(tmp_path, STOPPING_STEP)
+    status, out = _signal_once_step_runs(script, record, env)
+    assert status == 0, out
+    after_argv = record.read_text().split("rollart_hpc.worker\n", 1)[1].splitlines()[1:]
+    assert after_argv == ["step got USR2", "step ended", "scontrol", "requeue", "77"]
+    assert "SIGUSR2 (preemption or time limit): forwarded to the step" in out
+    assert "stopped at a checkpoint after SIGUSR2: requeue job 77 (restart 1 of 1)" in out
+
+
+def test_stop_after_the_last_requeue_exits_75_without_requeue(tmp_path: Path) -> None:
+    script, record, env = _shell_fixture(tmp_path, STOPPING_STEP, restarts=1)
+    status, out = _signal_once_step_runs(script, record, env)
+    assert status == 75, out
+    assert "1 of 1 requeues are used: not requeued; continue it with 'scontrol requeue 77'" in out
+    assert "scontrol" not in record.read_text()
+
+
+def test_step_that_fails_after_usr2_is_not_requeued(tmp_path: Path) -> None:
+    script, record, env = _shell_fixture(tmp_path, STOPPING_STEP)
+    status, out = _signal_once_step_runs(script, record, {**env, "STOP_STATUS": "137"})
+    assert status == 137, out
+    assert "step exited with status 137" in out and "scontrol" not in record.read_text()
+
+
+def test_job_without_checkpoints_ends_with_a_step_that_exits_0(tmp_path: Path) -> None:
+    script, record, env = _shell_fixture(tmp_path, "exit 0\n", job="smoke")
+    proc = _run_script(script, env)
+    assert proc.returncode == 0 and "[slurm] run finished" in proc.stdout
+    assert "scontrol" not in record.read_text()
+
+
+# --- submitit tasks after a stop ------------------------------------------------------------------------
+
+
+def _task_env(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int, restarts: int, worker_code: int = 0
+) -> Path:
+    """Stub scontrol on PATH, SLURM variables of task `rank`, and a `run_rank` that returns `worker_code`."""
+    import rollart_hpc.worker
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "calls"
+    _stub(bin_dir / "scontrol", f'printf "%s\\n" "$@" >> "{record}"\n')
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", str(rank))
+    monkeypatch.setenv("SLURM_JOB_ID", "88")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", str(restarts))
+    monkeypatch.setattr(rollart_hpc.worker, "run_rank", lambda run_dir: worker_code)
+    return record
+
+
+def test_worker_task_requeues_from_rank_0_after_a_stop(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    record = _task_env(monkeypatch, tmp_path, rank=0, restarts=0)
+    with pytest.raises(SystemExit) as stopped:
+        submit.WorkerTask(str(tmp_path), "summary.json", 1)()
+    assert stopped.value.code == 0 and record.read_text().splitlines() == ["requeue", "88"]
+
+
+def test_worker_task_other_ranks_and_finished_runs_return(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    record = _task_env(monkeypatch, tmp_path, rank=3, restarts=0)
+    assert submit.WorkerTask(str(tmp_path), "summary.json", 1)() == 0
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert submit.WorkerTask(str(tmp_path), None, 1)() == 0  # a job without checkpoints
+    (tmp_path / "summary.json").write_text("{}")
+    assert submit.WorkerTask(str(tmp_path), "summary.json", 1)() == 0
+    assert not record.exists()
+
+
+def test_worker_task_without_requeues_left_raises(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    record = _task_env(monkeypatch, tmp_path, rank=0, restarts=2)
+    with pytest.raises(RuntimeError, match="2 of 2 requeues are used: not requeued"):
+        submit.WorkerTask(str(tmp_path), "summary.json", 2)()
+    assert not record.exists()
+
+
+def test_worker_task_failure_raises(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _task_env(monkeypatch, tmp_path, rank=0, restarts=0, worker_code=1)
+    with pytest.raises(RuntimeError, match="exited with code 1"):
+        submit.WorkerTask(str(tmp_path), "summary.json", 2)()
+
+
+def test_job_spec_knows_every_job_and_refuses_others() -> None:
+    from rollart_hpc.cluster.sbatch import FINISH_MARKERS
+    from rollart_hpc.worker import JOBS
+
+    assert set(FINISH_MARKERS) == set(JOBS)
+    assert _spec("x").finish_marker == "summary.json" and _spec("x", job="smoke").finish_marker is None
+    with pytest.raises(ValueError, match="no finish marker"):
+        _spec("x", job="nosuch")
 
 
 # --- the CLI module --------------------------------------------------------------------------------------
@@ -395,7 +518,7 @@ def test_bad_options_are_usage_errors(tmp_path: Path) -> None:
 def test_worker_task_pickles_by_reference() -> None:
     import cloudpickle
 
-    task = submit.WorkerTask("/tmp/a b")
+    task = submit.WorkerTask("/tmp/a b", "summary.json", 3)
     data = cloudpickle.dumps(task)
     assert b"rollart_hpc.cluster.submit" in data and cloudpickle.loads(data) == task
 

@@ -52,19 +52,24 @@ def _wait_done(job_id: str, logs: list[str]) -> list[str]:
     """Wait until the job leaves the queue; returns sacct's states of its components (or tasks)."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
     try:
-        while subprocess.run(
-            ["squeue", "-h", "-j", job_id], capture_output=True, text=True, timeout=30
-        ).stdout:
+        while _query(["squeue", "-h", "-j", job_id]).strip():
             if time.monotonic() > deadline:
                 tails = "\n".join(Path(p).read_text()[-3000:] for p in logs if Path(p).exists())
                 raise AssertionError(f"job {job_id} not done after {JOB_TIMEOUT_S:.0f}s:\n{tails}")
             time.sleep(1.0)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)
-    out = subprocess.run(
-        ["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True, timeout=30
-    ).stdout
-    return out.split()
+    return _query(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id]).split()
+
+
+def _query(argv: list[str]) -> str:
+    """stdout of a SLURM client; retried, since a loaded slurmctld sometimes drops a connection."""
+    for _ in range(5):
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+        if proc.returncode == 0:
+            return proc.stdout
+        time.sleep(2.0)
+    raise AssertionError(f"{' '.join(argv)} failed 5 times: {proc.stderr.strip()}")
 
 
 def _rank_nodes(run_dir: Path) -> dict[int, str]:

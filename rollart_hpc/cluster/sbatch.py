@@ -9,6 +9,8 @@ files. Invariants of a rendered job:
 - SLURM never lets two components of one heterogeneous job share a node (measured on Slurm 22.05: such a
   job stays pending), so a plan fits a cluster only if every component can get a node of its own
   from its partition; `check_components_fit` tests that before submitting.
+- A job's finish marker (`FINISH_MARKERS`) tells a finished run from one stopped at a checkpoint when
+  the step exits 0: the rendered script requeues only the latter, and only after the step has ended.
 - Every value that comes from the user (run dir, run name, partition) is quoted with `shlex.quote`
   wherever it appears, in #SBATCH lines and in shell lines alike. Characters that SLURM reads specially
   in #SBATCH lines or file name patterns (`%`, backslash, newline) are refused in the run dir.
@@ -37,6 +39,9 @@ REFUSED_IN_RUN_DIR = {"%": "percent sign", "\\": "backslash", "\n": "newline", "
 SUBMITIT_FOLDER = "submitit"
 HETJOB_SCRIPT = "job.sbatch"
 HETJOB_OUTPUT = "slurm-%j.out"
+# run.job -> the file a finished run of that job leaves in its run dir. None: the job has no checkpoints,
+# so a step that exits 0 has finished it (a requeue would only start it over).
+FINISH_MARKERS: dict[str, str | None] = {"rl": "summary.json", "smoke": None}
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,8 @@ class HetComponent:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What every submission of a run shares. `run_dir`, `python` and `mpi_env` are absolute paths."""
+    """What every submission of a run shares. `run_dir`, `python` and `mpi_env` are absolute paths;
+    `job` is the run's `run.job` (a key of FINISH_MARKERS)."""
 
     name: str
     run_dir: Path
@@ -69,6 +75,17 @@ class JobSpec:
     signal_delay_s: int = 60
     python: str = field(default_factory=lambda: sys.executable)
     mpi_env: Path = MPI_ENV
+    job: str = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.job not in FINISH_MARKERS:
+            raise ValueError(
+                f"job {self.job!r} has no finish marker; known jobs: {', '.join(FINISH_MARKERS)}"
+            )
+
+    @property
+    def finish_marker(self) -> str | None:
+        return FINISH_MARKERS[self.job]
 
     @property
     def hetjob_output(self) -> Path:
@@ -203,6 +220,7 @@ def render_hetjob(
         "SIGNAL_DELAY_S": str(spec.signal_delay_s),
         "TIME_MIN": str(spec.time_min),
         "MAX_REQUEUES": str(spec.max_requeues),
+        "FINISH_MARKER": shlex.quote(spec.finish_marker or ""),
         "COMPONENTS": "\n".join(component_lines(components)),
         "RUN_DIR": shlex.quote(str(spec.run_dir)),
         "MPI_ENV": shlex.quote(str(spec.mpi_env)),

@@ -7,6 +7,19 @@ The config is resolved exactly as for `run` and written to the run dir. Roles ma
 - several partitions: a heterogeneous job rendered from `slurm/templates/hetjob.sbatch.in` (see
   `rollart_hpc.cluster.sbatch`), submitted with `sbatch`; one `srun --het-group` step is the MPI world.
 After submission `run_dir/slurm_job.json` (written atomically) records the job id, mode and log paths.
+
+Stops and requeues (both modes): a stop signal (SIGUSR1/SIGUSR2: `--signal`, preemption notice,
+`scancel --signal=USR2 JOB`) makes the controller checkpoint and stop the whole world with exit 0 and no
+finish marker (`summary.json` for RL runs). Only then is the job requeued, by `scontrol requeue` once
+the step has ended (never while it runs, which would kill it before the checkpoint is written), while
+SLURM_RESTART_COUNT < --max-requeues. The hetjob script does this itself (see the template). Under
+submitit the signal handlers of submitit's task process are replaced by the run's own once the RL job
+starts (every rank ignores the stop signals, the controller checkpoints), so submitit's
+checkpoint-and-requeue never runs then; `WorkerTask` requeues instead: on the task of global rank 0,
+after the world stopped at a checkpoint, it calls `scontrol requeue` and ends without a result (the
+job's result is the finished run's), or raises when no requeue is left. A signal that arrives while
+submitit's own handler is still installed (before the run's handlers) is handled by submitit: it
+requeues a preempted job at once, and the run resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -40,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--time-min", type=int, default=60, help="job time limit in minutes (default 60)")
     parser.add_argument(
-        "--max-requeues", type=int, default=3, help="requeues on preemption or time limit (default 3)"
+        "--max-requeues",
+        type=int,
+        default=3,
+        help="requeues after the run stopped at a checkpoint (preemption, time limit, USR2; default 3)",
     )
     parser.add_argument(
         "--nodes", type=int, default=1, help="nodes of a single-partition job; ranks split evenly (default 1)"
@@ -49,9 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class WorkerTask:
-    """What each submitit task runs: this rank's `rollart_hpc.worker` for the run dir (picklable)."""
+    """What each submitit task runs: this rank's `rollart_hpc.worker` for the run dir (picklable).
+
+    `finish_marker` is the file a finished run leaves (None: exit 0 is the end); `max_requeues` bounds the
+    requeues after stops at a checkpoint (see the module docstring)."""
 
     run_dir: str
+    finish_marker: str | None = None
+    max_requeues: int = 0
 
     def __call__(self) -> int:
         from rollart_hpc.worker import run_rank
@@ -59,7 +80,34 @@ class WorkerTask:
         code = run_rank(Path(self.run_dir))
         if code != 0:
             raise RuntimeError(f"rollart_hpc.worker exited with code {code} for run dir {self.run_dir}")
+        if self.finish_marker is not None and not (Path(self.run_dir) / self.finish_marker).exists():
+            requeue_after_stop(Path(self.run_dir), self.max_requeues)
         return code
+
+
+def requeue_after_stop(run_dir: Path, max_requeues: int) -> None:
+    """The world stopped at a checkpoint: the task of global rank 0 requeues the job and exits without a
+    result (SystemExit); the other tasks return. With no requeue left, rank 0 raises RuntimeError."""
+    from rollart_hpc.cluster.env import read_process_env
+
+    env = read_process_env()
+    if env.launcher_rank != 0:
+        return
+    if env.slurm_job_id is None:
+        raise RuntimeError(f"the run in {run_dir} stopped at a checkpoint outside SLURM: nothing to requeue")
+    restarts = env.slurm_restart_count
+    if restarts >= max_requeues:
+        raise RuntimeError(
+            f"the run in {run_dir} stopped at a checkpoint, and {restarts} of {max_requeues} requeues are "
+            f"used: not requeued; continue it with 'scontrol requeue {env.slurm_job_id}'"
+        )
+    print(
+        f"[slurm] the run stopped at a checkpoint: requeue job {env.slurm_job_id} "
+        f"(restart {restarts + 1} of {max_requeues})",
+        flush=True,
+    )
+    subprocess.run(["scontrol", "requeue", env.slurm_job_id], timeout=SBATCH_TIMEOUT_S, check=True)
+    raise SystemExit(0)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -72,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
     check_options(args)
     run_dir = Path(args.run_dir or f"runs/{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     check_run_dir(run_dir)
-    spec = JobSpec(config.run.name, run_dir, args.time_min, args.max_requeues)
+    spec = JobSpec(config.run.name, run_dir, args.time_min, args.max_requeues, job=config.run.job)
     if len(plan_partitions(plan)) > 1:
         if args.nodes != 1:
             raise UsageError(
@@ -191,7 +239,7 @@ def submitit_submit(spec: JobSpec, params: dict[str, Any]) -> tuple[str, list[st
 
     executor = submitit.SlurmExecutor(folder=spec.submitit_folder, max_num_timeout=spec.max_requeues)
     executor.update_parameters(**params)
-    job = executor.submit(WorkerTask(str(spec.run_dir)))
+    job = executor.submit(WorkerTask(str(spec.run_dir), spec.finish_marker, spec.max_requeues))
     return str(job.job_id), [str(job.paths.stdout), str(job.paths.stderr)]
 
 

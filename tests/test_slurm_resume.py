@@ -1,0 +1,252 @@
+"""Stops, requeues and restarts of a real RL run on the local SLURM test cluster (`bash slurm/up.sh`).
+
+The run is a hetjob over two partitions: controller, rollout, env and reward ranks on `rollout`
+(node rollout1), the trainer on `train` (node train1), with a tiny model on calc_math.
+- Preemption: `scancel --signal=USR2 JOB` once a step is trained signals every task; the controller
+  checkpoints and stops the world (exit 0, no summary.json), the batch script requeues the job, and the
+  restarted job (SLURM_RESTART_COUNT=1) resumes from the checkpoint and finishes.
+- A rank killed with SIGKILL: the job fails and srun names the task; `launch.py resume` (local mpiexec)
+  finishes the run from its last periodic checkpoint.
+Either way the finished run holds every step once and every trajectory once. Every wait is bounded; a
+job still queued when its test ends is cancelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollart_hpc.cluster import submit
+from rollart_hpc.controller.checkpoint import latest
+from rollart_hpc.store.trajectories import read_store
+
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("sinfo") is None, reason="sinfo not on PATH: no SLURM client installed"),
+]
+
+BATCH = 4
+TINY = [
+    "model.hidden_size=64",
+    "model.num_layers=1",
+    "model.vocab_size=400",
+    "envs.families=['calc_math']",
+    "envs.num_tasks.calc_math=12",
+    "envs.calc_max_ops=1",
+    "envs.num_slots=4",
+    "rollout.max_model_len=512",
+    "rollout.max_new_tokens=16",
+    "rollout.num_slots=8",
+    "trainer.sft_steps=2",
+    "trainer.sft_batch_size=4",
+    f"controller.batch_size={BATCH}",
+    "controller.heartbeat_s=0.5",
+    "cluster.peer_timeout_s=240",
+]
+PARTITIONS = [f"roles.{role}.partition=rollout" for role in ("controller", "rollout", "env", "reward")] + [
+    "roles.trainer.partition=train"
+]
+EXPECTED_NODES = {0: "rollout1", 1: "rollout1", 2: "rollout1", 3: "rollout1", 4: "train1"}
+# One start of the 5-rank world imports torch on every rank: minutes on this loaded 2-core host.
+START_TIMEOUT_S = 600.0
+JOB_TIMEOUT_S = 1200.0
+
+
+@pytest.fixture(autouse=True)
+def _controller_up() -> None:
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30, check=False)
+    assert "is UP" in ping.stdout, f"slurmctld is not up (start it with slurm/up.sh): {ping.stdout.strip()}"
+
+
+def _submit(repo_root: Path, run_dir: Path, overrides: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    submit.add_arguments(parser)
+    config = str(repo_root / "configs" / "local.toml")
+    argv = [config, *TINY, *PARTITIONS, *overrides, "--run-dir", str(run_dir), "--time-min", "30"]
+    assert submit.main(parser.parse_args([*argv, "--max-requeues", "2"])) == 0
+    record = dict(json.loads((run_dir / submit.JOB_RECORD).read_text()))
+    assert record["mode"] == "hetjob" and record["world_size"] == 5
+    return record
+
+
+def _log(record: dict[str, Any]) -> str:
+    path = Path(str(record["logs"][0]))
+    return path.read_text() if path.exists() else ""
+
+
+def _wait_for(what: str, predicate: Any, record: dict[str, Any], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached after {timeout_s:.0f}s\n{_log(record)[-4000:]}")
+        time.sleep(0.5)
+
+
+def _query(argv: list[str]) -> str:
+    """stdout of a SLURM client; retried, since a loaded slurmctld sometimes drops a connection."""
+    for _ in range(5):
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+        if proc.returncode == 0:
+            return proc.stdout
+        time.sleep(2.0)
+    raise AssertionError(f"{' '.join(argv)} failed 5 times: {proc.stderr.strip()}")
+
+
+def _queued(job_id: str) -> bool:
+    return bool(_query(["squeue", "-h", "-j", job_id]).strip())
+
+
+def _states(job_id: str) -> list[str]:
+    return _query(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id]).split()
+
+
+def _cancel(job_id: str) -> None:
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _rank_nodes(run_dir: Path) -> dict[int, str]:
+    pids = sorted((run_dir / "pids").glob("rank-*.pid"))
+    return {int(p.stem.split("-")[1]): json.loads(p.read_text())["node"] for p in pids}
+
+
+def _assert_complete_once(run_dir: Path, num_steps: int) -> None:
+    """Every step once, every trajectory stored once and ended once, trained == steps x batch."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["balanced"], summary["accounting"]
+    records = read_store(run_dir / "trajectories.h5").records
+    ids = Counter(r.episode_id for r in records)
+    assert not [i for i, n in ids.items() if n > 1], "a trajectory was stored twice"
+    trained = [r for r in records if r.final_status == "trained"]
+    assert len(trained) == num_steps * BATCH == summary["accounting"]["trained"]
+    for r in records:
+        assert r.final_status in ("trained", "dropped", "failed"), (r.episode_id, r.final_status)
+        assert r.final_status == "trained" or r.final_cause, r.episode_id
+    assert [row["step"] for row in _rows(run_dir)] == list(range(num_steps))
+
+
+@pytest.mark.timeout(1800)
+def test_preempted_hetjob_checkpoints_requeues_resumes_and_finishes(repo_root: Path, tmp_path: Path) -> None:
+    num_steps = 8
+    run_dir = tmp_path / "pre empted"
+    start = time.monotonic()
+    record = _submit(
+        repo_root, run_dir, [f"controller.num_steps={num_steps}", "controller.checkpoint_every_steps=0"]
+    )
+    job_id = str(record["job_id"])
+    try:
+        _wait_for("first trained step", lambda: len(_rows(run_dir)) >= 1, record, START_TIMEOUT_S)
+        first_step_s = time.monotonic() - start
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        _wait_for("requeue", lambda: "requeue job" in _log(record), record, 300)
+        stopped_at = len(_rows(run_dir))
+        _wait_for("job done", lambda: not _queued(job_id), record, JOB_TIMEOUT_S)
+    finally:
+        _cancel(job_id)
+    log = _log(record)
+    assert _states(job_id) == ["COMPLETED", "COMPLETED"], log[-4000:]
+    assert "stop requested: checkpointed at version" in log
+    assert f"the run stopped at a checkpoint: requeue job {job_id} (restart 1 of 2)" in log
+    assert f"[slurm] job {job_id} restart 1 on rollout1" in log
+    assert f"resumed from {run_dir / 'checkpoints'}" in log and "[slurm] run finished" in log
+    assert 1 <= stopped_at < num_steps
+    _assert_complete_once(run_dir, num_steps)
+    assert _rank_nodes(run_dir) == EXPECTED_NODES
+    print(
+        f"preempted hetjob: first step after {first_step_s:.0f}s, stopped at step {stopped_at}, "
+        f"done after {time.monotonic() - start:.0f}s"
+    )
+
+
+@pytest.mark.timeout(1800)
+def test_killed_rank_fails_the_job_and_local_resume_finishes(repo_root: Path, tmp_path: Path) -> None:
+    num_steps = 4
+    run_dir = tmp_path / "killed"
+    start = time.monotonic()
+    record = _submit(
+        repo_root, run_dir, [f"controller.num_steps={num_steps}", "controller.checkpoint_every_steps=1"]
+    )
+    job_id = str(record["job_id"])
+    try:
+        _wait_for("a checkpoint", lambda: latest(run_dir) is not None, record, START_TIMEOUT_S)
+        assert _rank_nodes(run_dir) == EXPECTED_NODES
+        os.kill(json.loads((run_dir / "pids" / "rank-2.pid").read_text())["pid"], signal.SIGKILL)
+        _wait_for("job done", lambda: not _queued(job_id), record, 300)
+    finally:
+        _cancel(job_id)
+    failed_s = time.monotonic() - start
+    log = _log(record)
+    assert _states(job_id)[0] == "FAILED", (_states(job_id), log[-4000:])
+    assert "rollout1: task 2: Killed" in log, log[-4000:]
+    assert "requeue" not in log.split("step exited with status")[-1]
+    assert not (run_dir / "summary.json").exists()
+    resumed = subprocess.run(
+        [sys.executable, str(repo_root / "launch.py"), "resume", str(run_dir)],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints'}" in resumed.stdout
+    _assert_complete_once(run_dir, num_steps)
+    print(
+        f"killed rank: job failed after {failed_s:.0f}s, resumed run done after {time.monotonic() - start:.0f}s"
+    )
+
+
+@pytest.mark.timeout(1800)
+def test_preempted_submitit_job_requeues_from_rank_0_and_finishes(repo_root: Path, tmp_path: Path) -> None:
+    import submitit
+
+    num_steps = 8
+    run_dir = tmp_path / "sub mit"
+    overrides = [
+        f"roles.{role}.partition=all" for role in ("controller", "rollout", "env", "reward", "trainer")
+    ]
+    parser = argparse.ArgumentParser()
+    submit.add_arguments(parser)
+    argv = [str(repo_root / "configs" / "local.toml"), *TINY, *overrides, "roles.env.num_ranks=2"]
+    argv += [f"controller.num_steps={num_steps}", "controller.checkpoint_every_steps=0"]
+    argv += ["--run-dir", str(run_dir), "--time-min", "30", "--max-requeues", "2", "--nodes", "2"]
+    start = time.monotonic()
+    assert submit.main(parser.parse_args(argv)) == 0
+    record = dict(json.loads((run_dir / submit.JOB_RECORD).read_text()))
+    assert record["mode"] == "submitit" and record["world_size"] == 6
+    job_id = str(record["job_id"])
+    try:
+        _wait_for("first trained step", lambda: len(_rows(run_dir)) >= 1, record, START_TIMEOUT_S)
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        _wait_for("requeue", lambda: "requeue job" in _log(record), record, 300)
+        stopped_at = len(_rows(run_dir))
+        _wait_for("job done", lambda: not _queued(job_id), record, JOB_TIMEOUT_S)
+    finally:
+        _cancel(job_id)
+    log = _log(record)
+    assert _states(job_id) == ["COMPLETED"], log[-4000:]
+    assert f"the run stopped at a checkpoint: requeue job {job_id} (restart 1 of 2)" in log
+    assert f"resumed from {run_dir / 'checkpoints'}" in log
+    job: submitit.SlurmJob[int] = submitit.SlurmJob(
+        folder=run_dir / "submitit", job_id=job_id, tasks=range(6)
+    )
+    assert job.results() == [0] * 6
+    assert 1 <= stopped_at < num_steps
+    _assert_complete_once(run_dir, num_steps)
+    assert sorted(_rank_nodes(run_dir).values()) == ["rollout1"] * 3 + ["train1"] * 3
+    print(f"preempted submitit job: stopped at step {stopped_at}, done after {time.monotonic() - start:.0f}s")
