@@ -111,7 +111,7 @@ def note_vanished(run_dir: Path, vanished: list[int]) -> None:
             vanished.append(rank)
 
 
-def stop_session(proc: subprocess.Popen[str]) -> None:
+def stop_session(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM mpiexec's session (it forwards to the ranks), then SIGKILL after a grace period."""
     for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         try:

@@ -5,9 +5,9 @@ reward and train packages for each role's loop."""
 from __future__ import annotations
 
 import importlib
-import signal
 from pathlib import Path
 
+from rollart_hpc.cluster import signals
 from rollart_hpc.cluster.mailbox import Mailbox
 from rollart_hpc.cluster.world import World
 from rollart_hpc.config.schema import Config
@@ -26,9 +26,7 @@ ROLE_MAINS: dict[str, str] = {
 
 def main(config: Config, world: World, run_dir: Path) -> None:
     log = rank_logger(world.role, world.rank, run_dir)
-    # The stop signals reach every rank of a SLURM step; only the controller acts on them.
-    for sig in (signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
+    signals.install()  # idempotent; the worker entry installs it first thing (see cluster/signals.py)
     watch = range(world.plan.world_size) if world.rank == 0 else [0]
     mailbox = Mailbox(world, watch, config.controller.heartbeat_s)
     ctx = RunContext(config, world, run_dir, log, mailbox)

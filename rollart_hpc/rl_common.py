@@ -13,7 +13,6 @@ Start-up order (no deadlock, every wait bounded):
 from __future__ import annotations
 
 import logging
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -40,11 +39,6 @@ class RunContext:
     @property
     def weight_members(self) -> list[int]:
         return [self.ranks["trainer"][0], *self.ranks["rollout"]]
-
-    def install_stop_handler(self, event: Any) -> None:
-        """SIGUSR1/SIGUSR2 (SLURM's --signal, preemption notice) ask the controller to checkpoint and exit."""
-        for sig in (signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, lambda signum, frame: event.set())
 
     def make_weight_receiver(self) -> Any:
         from rollart_hpc.weights.publisher import WeightReceiver

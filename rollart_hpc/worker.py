@@ -14,6 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
+from rollart_hpc.cluster import signals
 from rollart_hpc.cluster.env import read_process_env
 from rollart_hpc.cluster.plan import make_plan
 from rollart_hpc.cluster.world import World, make_world
@@ -64,4 +65,5 @@ def run_rank(run_dir: Path) -> int:
 
 
 if __name__ == "__main__":
+    signals.install()
     sys.exit(run_rank(Path(sys.argv[1])))

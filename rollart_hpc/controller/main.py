@@ -12,12 +12,12 @@ ranks get STOP. The accounting is then balanced: dispatched = trained + dropped 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from rollart_hpc.cluster import signals
 from rollart_hpc.cluster.mailbox import Message
 from rollart_hpc.config.schema import Config
 from rollart_hpc.controller import protocol as proto
@@ -75,7 +75,7 @@ class Controller:
         self.redispatch: list[Any] = []
         self.last_checkpoint = 0  # tickets in flight at the checkpoint a run resumed from
         self.wall_offset = 0.0
-        self.stop_requested = threading.Event()  # set by SIGUSR1/SIGUSR2: checkpoint, then exit
+        self.stop_requested = signals.STOP_REQUESTED  # SIGUSR1/SIGUSR2: checkpoint, then exit
 
     # ---- messages -------------------------------------------------------------------------------
     def handle(self, msg: Message) -> None:
@@ -317,7 +317,6 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
 
     tasks = run_tasks(config)
     controller = Controller(config, ctx, tasks)
-    ctx.install_stop_handler(controller.stop_requested)
     resume = latest(run_dir)
     if resume is not None:
         controller.resume(resume)
