@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 def args_for(tmp_path, **over):
     values = dict(
         json=tmp_path / "e2e.json",
-        config=REPO / "configs" / "local.toml",
+        config=REPO / "configs" / "tiny.toml",
         steps=4,
         batch=4,
         modes="sync,one_step_off,async",
@@ -92,30 +92,14 @@ def test_bad_arguments_are_usage_errors(tmp_path):
     assert e2e.check_args(args_for(tmp_path, modes="async,sync")) == ["sync", "async"]
 
 
-TINY = [
-    "model.hidden_size=64",
-    "model.num_layers=1",
-    "model.vocab_size=400",
-    "envs.families=['calc_math']",
-    "envs.num_tasks.calc_math=12",
-    "envs.calc_max_ops=1",
-    "envs.num_slots=4",
-    "rollout.max_model_len=512",
-    "rollout.max_new_tokens=16",
-    "rollout.num_slots=8",
-    "trainer.sft_steps=2",
-    "trainer.sft_batch_size=4",
-    "controller.heartbeat_s=0.5",
-    "cluster.peer_timeout_s=240",
-]
-
-
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_bench_e2e_tiny(tmp_path):
     out = tmp_path / "e2e.json"
     cmd = [sys.executable, str(REPO / "launch.py"), "bench", "e2e", "--json", str(out), "--steps", "2"]
     cmd += [
+        "--config",
+        str(REPO / "configs" / "tiny.toml"),
         "--batch",
         "4",
         "--modes",
@@ -125,7 +109,7 @@ def test_bench_e2e_tiny(tmp_path):
         "--target-success",
         "0.0001",
     ]
-    result = subprocess.run([*cmd, *TINY], cwd=REPO, capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert set(data["modes"]) == {"sync", "async"}

@@ -19,25 +19,6 @@ from rollart_hpc.store.trajectories import read_store
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
-TINY = [
-    "model.hidden_size=64",
-    "model.num_layers=1",
-    "model.vocab_size=400",
-    "envs.families=['calc_math']",
-    "envs.num_tasks.calc_math=12",
-    "envs.calc_max_ops=1",
-    "envs.num_slots=4",
-    "rollout.max_model_len=512",
-    "rollout.max_new_tokens=16",
-    "rollout.num_slots=8",
-    "trainer.sft_steps=2",
-    "trainer.sft_batch_size=4",
-    "controller.batch_size=4",
-    "controller.num_steps=3",
-    "controller.heartbeat_s=0.5",
-    "cluster.peer_timeout_s=240",
-]
-
 
 def run(tmp_path, name, *overrides):
     run_dir = tmp_path / name
@@ -46,10 +27,9 @@ def run(tmp_path, name, *overrides):
             sys.executable,
             str(REPO / "launch.py"),
             "run",
-            "configs/local.toml",
+            "configs/tiny.toml",
             "--run-dir",
             str(run_dir),
-            *TINY,
             *overrides,
         ],
         cwd=REPO,
@@ -113,10 +93,9 @@ def start_run(run_dir, *overrides):
             sys.executable,
             str(REPO / "launch.py"),
             "run",
-            "configs/local.toml",
+            "configs/tiny.toml",
             "--run-dir",
             str(run_dir),
-            *TINY,
             *overrides,
         ],
         cwd=REPO,

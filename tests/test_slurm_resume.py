@@ -38,23 +38,6 @@ pytestmark = [
 ]
 
 BATCH = 4
-TINY = [
-    "model.hidden_size=64",
-    "model.num_layers=1",
-    "model.vocab_size=400",
-    "envs.families=['calc_math']",
-    "envs.num_tasks.calc_math=12",
-    "envs.calc_max_ops=1",
-    "envs.num_slots=4",
-    "rollout.max_model_len=512",
-    "rollout.max_new_tokens=16",
-    "rollout.num_slots=8",
-    "trainer.sft_steps=2",
-    "trainer.sft_batch_size=4",
-    f"controller.batch_size={BATCH}",
-    "controller.heartbeat_s=0.5",
-    "cluster.peer_timeout_s=240",
-]
 PARTITIONS = [f"roles.{role}.partition=rollout" for role in ("controller", "rollout", "env", "reward")] + [
     "roles.trainer.partition=train"
 ]
@@ -73,8 +56,8 @@ def _controller_up() -> None:
 def _submit(repo_root: Path, run_dir: Path, overrides: list[str]) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     submit.add_arguments(parser)
-    config = str(repo_root / "configs" / "local.toml")
-    argv = [config, *TINY, *PARTITIONS, *overrides, "--run-dir", str(run_dir), "--time-min", "30"]
+    config = str(repo_root / "configs" / "tiny.toml")
+    argv = [config, *PARTITIONS, *overrides, "--run-dir", str(run_dir), "--time-min", "30"]
     assert submit.main(parser.parse_args([*argv, "--max-requeues", "2"])) == 0
     record = dict(json.loads((run_dir / submit.JOB_RECORD).read_text()))
     assert record["mode"] == "hetjob" and record["world_size"] == 5
@@ -222,7 +205,7 @@ def test_preempted_submitit_job_requeues_from_rank_0_and_finishes(repo_root: Pat
     ]
     parser = argparse.ArgumentParser()
     submit.add_arguments(parser)
-    argv = [str(repo_root / "configs" / "local.toml"), *TINY, *overrides, "roles.env.num_ranks=2"]
+    argv = [str(repo_root / "configs" / "tiny.toml"), *overrides, "roles.env.num_ranks=2"]
     argv += [f"controller.num_steps={num_steps}", "controller.checkpoint_every_steps=0"]
     argv += ["--run-dir", str(run_dir), "--time-min", "30", "--max-requeues", "2", "--nodes", "2"]
     start = time.monotonic()
