@@ -17,7 +17,15 @@ from rollart_hpc.errors import UsageError
 # name -> (module, one-line help). Explicit; no import-time discovery.
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("rollart_hpc.launcher", "run a config locally as one MPI world (mpiexec)"),
+    "resume": ("rollart_hpc.resume", "restart a local run from its last checkpoint"),
+    "submit": (
+        "rollart_hpc.cluster.submit",
+        "submit a config to SLURM (hetjob across partitions, else submitit)",
+    ),
     "bench": ("rollart_hpc.bench.cli", "benchmarks that write JSON"),
+    "report": ("rollart_hpc.metrics.report", "plots and a markdown summary of a run directory"),
+    "model": ("rollart_hpc.models.cli", "import or create policy models"),
+    "envs": ("rollart_hpc.envs.cli", "prepare, check or play environment tasks"),
 }
 
 
