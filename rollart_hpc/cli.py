@@ -30,7 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="launch.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="launch.py",
+        description="rollart_hpc: asynchronous, disaggregated agentic RL on one box or SLURM",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
