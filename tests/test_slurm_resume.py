@@ -91,8 +91,15 @@ def _queued(job_id: str) -> bool:
     return bool(_query(["squeue", "-h", "-j", job_id]).strip())
 
 
-def _states(job_id: str) -> list[str]:
-    return _query(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id]).split()
+def _states(job_id: str, timeout_s: float = 90.0) -> list[str]:
+    """The job's final states from accounting, which lags a little behind the end of the job."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = _query(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id]).split()
+        settled = states and not any(s in ("RUNNING", "PENDING", "COMPLETING", "REQUEUED") for s in states)
+        if settled or time.monotonic() > deadline:
+            return states
+        time.sleep(1.0)
 
 
 def _cancel(job_id: str) -> None:

@@ -52,6 +52,15 @@ def read_controller_state(path: Path) -> dict[str, Any]:
     return state
 
 
+def discard_incomplete(run_dir: Path) -> list[Path]:
+    """Remove checkpoint directories without COMPLETE (a save cut short by a crash). Call only when no
+    save can be running: at the start of a run, before the controller writes any checkpoint."""
+    removed = [p for p in checkpoints_dir(run_dir).glob("step-*") if not complete(p)]
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
+
+
 def prune(run_dir: Path, keep: int) -> list[Path]:
     """Remove incomplete checkpoints and all but the newest `keep` complete ones."""
     removed = []

@@ -312,11 +312,13 @@ def start_workers(config: Config, ctx: RunContext, run_dir: Path, resume: Path |
 
 
 def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
-    from rollart_hpc.controller.checkpoint import latest
+    from rollart_hpc.controller.checkpoint import discard_incomplete, latest
     from rollart_hpc.metrics.run_metrics import summary_table
 
     tasks = run_tasks(config)
     controller = Controller(config, ctx, tasks)
+    for partial in discard_incomplete(run_dir):
+        ctx.log.info(f"removed incomplete checkpoint {partial}")
     resume = latest(run_dir)
     if resume is not None:
         controller.resume(resume)
