@@ -154,7 +154,7 @@ def test_stop_signal_checkpoints_then_resume_finishes(tmp_path):
     import signal
 
     run_dir = tmp_path / "preempted"
-    proc = start_run(run_dir, "controller.num_steps=4", "controller.checkpoint_every_steps=0")
+    proc = start_run(run_dir, "controller.num_steps=8", "controller.checkpoint_every_steps=0")
     wait_until(lambda: len(rows(run_dir)) >= 2, 600)
     import os
 
@@ -166,8 +166,8 @@ def test_stop_signal_checkpoints_then_resume_finishes(tmp_path):
     stopped_at = len(rows(run_dir))
     result = resume(run_dir)
     assert f"resumed from {run_dir / 'checkpoints'}" in result.stdout
-    assert_complete_once(run_dir, 4, 4)
-    assert stopped_at < 4
+    assert_complete_once(run_dir, 8, 4)
+    assert stopped_at < 8
 
 
 def test_killed_rank_is_named_and_resume_continues(tmp_path):

@@ -176,6 +176,8 @@ class Controller:
         while not self.core.done:
             for msg in mailbox.poll():
                 self.handle(msg)
+            if self.core.done:
+                break  # the last step is in: a stop requested now simply ends a finished run
             if self.checkpoint_due() and not self.trainer_busy:
                 self.checkpoint()
                 if self.stop_requested.is_set():
