@@ -144,3 +144,36 @@ def test_demonstration_trajectory_wins(tokenizer: Any) -> None:
     assert traj.actions == fam.oracle(task.id)
     problem = calc_math.generate_problem(11)
     assert traj.actions[-1] == f"<answer>{problem.answer}</answer>"
+
+
+class _StopStringClient:
+    """Generates `texts` in turn, cut after the first of `sampling.stop` (kept), as the engines do."""
+
+    def __init__(self, chat: ChatTokens, texts: list[str]) -> None:
+        self.chat, self.texts, self.stops_seen = chat, list(texts), []
+
+    async def generate(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> RequestOutput:
+        self.stops_seen.append(sampling.stop)
+        text = self.texts.pop(0)
+        hits = [text.find(s) + len(s) for s in sampling.stop if s in text]
+        text = text[: min(hits)] if hits else text
+        ids = self.chat.encode(text)
+        n = len(ids)
+        return RequestOutput(request_id, prompt, ids, [-0.1] * n, [0] * n, text, True, "stop")
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+
+def test_calc_turns_end_at_the_tool_call(tokenizer: Any) -> None:
+    chat = ChatTokens(tokenizer)
+    client = _StopStringClient(chat, ["<calc>1+1</calc>7/9</answer>", "<answer>2</answer>23</calc>"])
+    traj = _run(tokenizer, "calc_math", "calc_math/0001", client)
+    traj.validate()
+    assert client.stops_seen == [calc_math.STOP, calc_math.STOP]
+    assert traj.actions == ["<calc>1+1</calc>", "<answer>2</answer>"] and traj.finish_cause == "done"
+    text = tokenizer.decode(traj.token_ids, skip_special_tokens=False)
+    assert "<calc>1+1</calc><|im_end|>" in text and "7/9" not in text  # closed by the template
+    client2 = _StopStringClient(chat, ["up"] * 100)
+    _run(tokenizer, "frozenlake", "frozenlake/4x4", client2)
+    assert set(client2.stops_seen) == {()}

@@ -40,13 +40,16 @@ class AgentConfig:
     top_p: float = 1.0
     top_k: int = 0
 
-    def sampling(self, max_tokens: int, stop_ids: tuple[int, ...]) -> SamplingParams:
+    def sampling(
+        self, max_tokens: int, stop_ids: tuple[int, ...], stop: tuple[str, ...] = ()
+    ) -> SamplingParams:
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             max_tokens=max_tokens,
             stop_token_ids=stop_ids,
+            stop=stop,
         )
 
 
@@ -100,7 +103,8 @@ async def _turns(
         if room < cfg.min_new_tokens:
             return "context_limit"
         started = time.monotonic()
-        out = await _generate(client, f"{traj.episode_id}/t{turn}", traj.token_ids, cfg, chat, room)
+        request_id = f"{traj.episode_id}/t{turn}"
+        out = await _generate(client, request_id, traj.token_ids, cfg, chat, room, task.stop)
         llm_s = time.monotonic() - started
         _append_generated(traj, out)
         action = chat.assistant_text(out.token_ids)
@@ -121,9 +125,15 @@ async def _turns(
 
 
 async def _generate(
-    client: LLMClient, request_id: str, prompt: list[int], cfg: AgentConfig, chat: ChatTokens, room: int
+    client: LLMClient,
+    request_id: str,
+    prompt: list[int],
+    cfg: AgentConfig,
+    chat: ChatTokens,
+    room: int,
+    stop: tuple[str, ...],
 ) -> RequestOutput:
-    sampling = cfg.sampling(min(cfg.max_new_tokens, room), chat.stop_token_ids)
+    sampling = cfg.sampling(min(cfg.max_new_tokens, room), chat.stop_token_ids, stop)
     try:
         out = await client.generate(request_id, list(prompt), sampling)
     except asyncio.CancelledError:

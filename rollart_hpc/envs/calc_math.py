@@ -24,6 +24,7 @@ from rollart_hpc.envs.types import Task
 FAMILY = "calc_math"
 NUM_PROBLEMS = 1500
 SYSTEM = "Solve it. Compute with <calc>expression</calc>. Reply <answer>number</answer> at the end."
+STOP = ("</calc>", "</answer>")  # a turn ends with its tool call
 FORMAT_HINT = "error: reply <calc>expression</calc> or <answer>number</answer>"
 _NAMES = ("Ana", "Ben", "Cleo", "Dev", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jade", "Kai", "Lena")
 _ITEMS = ("apples", "coins", "books", "cards", "eggs", "pens", "shells", "stamps", "cups", "beads")
@@ -166,7 +167,7 @@ class CalcMathFamily:
     def task(self, tid: str) -> Task:
         p = generate_problem(parse_task_id(tid))
         tags = (FAMILY, f"ops{p.num_ops}")
-        return Task(tid, FAMILY, tags, self.max_turns, SYSTEM, p.text)
+        return Task(tid, FAMILY, tags, self.max_turns, SYSTEM, p.text, STOP)
 
     def make_env(self) -> CalcMathEnv:
         return CalcMathEnv()

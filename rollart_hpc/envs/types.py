@@ -27,7 +27,11 @@ DispatchValue = int | float | str | bool
 
 @dataclass(frozen=True)
 class Task:
-    """One canonical task: a stable id, its family, routing tags, a turn limit and its prompt texts."""
+    """One canonical task: a stable id, its family, routing tags, a turn limit and its prompt texts.
+
+    `stop`: strings that end a generated turn (the family's tool-call closers); the tokens that complete
+    one are kept, so the env sees the closed call and the trainer sees exactly what was sampled.
+    """
 
     id: str
     family: str
@@ -35,6 +39,7 @@ class Task:
     max_turns: int
     system: str
     prompt: str
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
