@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.mpi, pytest.mark.slow]
 STEPS = 3
 
 
+@pytest.mark.timeout(1200)
 def test_embedded_default_runs_on_vllm(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     overrides = ["rollout.engine=vllm", f"controller.num_steps={STEPS}", "trainer.sft_steps=2"]
