@@ -90,6 +90,9 @@ def run_world(run_dir: Path, world_size: int, timeout_s: float = 0.0) -> int:
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
     reason = None
     vanished: list[int] = []  # ranks whose process ended, in the order the launcher saw it
+    # mpiexec runs in its own session, so a SIGTERM/SIGHUP that kills only the launcher would orphan the
+    # world: turn them into the same orderly stop as Ctrl-C.
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while proc.poll() is None:
             note_vanished(run_dir, vanished)
@@ -99,10 +102,23 @@ def run_world(run_dir: Path, world_size: int, timeout_s: float = 0.0) -> int:
             time.sleep(0.02)
     except KeyboardInterrupt:
         reason = "interrupted (Ctrl-C)"
+    except _TerminatedError as exc:
+        reason = f"terminated ({exc})"
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if reason is not None:
         stop_session(proc)
     leftovers = reap_ranks(run_dir)
     return report(run_dir, proc.returncode, reason, leftovers, vanished)
+
+
+class _TerminatedError(Exception):
+    pass
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    raise _TerminatedError(signal.Signals(signum).name)
 
 
 def note_vanished(run_dir: Path, vanished: list[int]) -> None:
@@ -188,7 +204,9 @@ def report(
         print(f"warning: killed leftover rank processes {leftovers}", file=sys.stderr)
     if reason is not None:
         print(f"error: run stopped: {reason}", file=sys.stderr)
-        return 130 if "Ctrl-C" in reason else 1
+        if "Ctrl-C" in reason:
+            return 130
+        return 128 + signal.SIGTERM if "SIGTERM" in reason else 1
     if returncode != 0 and not failures and not vanished:
         print(f"error: mpiexec exited with code {returncode} and no rank reported a failure", file=sys.stderr)
     return 0 if returncode == 0 and not failures else 1

@@ -97,7 +97,10 @@ def test_silent_rank_in_launcher_times_out(tmp_path):
     assert not any(pid_alive(p) for p in rank_pids(run_dir))
 
 
-def test_ctrl_c_stops_whole_world(tmp_path):
+@pytest.mark.parametrize(
+    ("signum", "code", "reason"), [(2, 130, "interrupted (Ctrl-C)"), (15, 143, "terminated (SIGTERM)")]
+)
+def test_ctrl_c_or_sigterm_stops_whole_world(tmp_path, signum, code, reason):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [
@@ -118,10 +121,10 @@ def test_ctrl_c_stops_whole_world(tmp_path):
     deadline = time.monotonic() + 60
     while len(list((run_dir / "pids").glob("rank-*.pid"))) < 5 and time.monotonic() < deadline:
         time.sleep(0.2)
-    os.kill(proc.pid, 2)
+    os.kill(proc.pid, signum)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert "interrupted (Ctrl-C)" in err
+    assert proc.returncode == code, err
+    assert reason in err
     assert not any(pid_alive(p) for p in rank_pids(run_dir))
 
 
