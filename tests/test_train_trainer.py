@@ -204,3 +204,26 @@ def test_a_collective_that_times_out_names_the_peers(model_dir: Path) -> None:
     ):
         comm._wait(SilentWork(), "gradient all_reduce", 2.0)  # type: ignore[arg-type]
     assert float(comm.all_reduce_sum(torch.ones(3), "sum", 5.0).sum()) == 3.0
+
+
+def test_reset_optimizer_makes_the_next_step_a_fresh_adamw_step(model_dir: Path) -> None:
+    def rl_update(trainer: Trainer) -> list[torch.Tensor]:
+        before = _params(trainer)
+        batch = _batch(trainer.config.vocab_size, [18, 12, 25], [1.0, -1.0, 0.5], seed=7)
+        batch = _with_behaviour(batch, trainer.logprobs(batch))
+        trainer.rl_step(batch, batch.num_action_tokens, LossConfig())
+        return [p.detach() - b for p, b in zip(trainer.params, before, strict=True)]
+
+    warmed, kept = _trainer(model_dir), _trainer(model_dir)
+    for trainer in (warmed, kept):
+        for step in range(3):
+            trainer.sft_step(_batch(trainer.config.vocab_size, [24, 16, 30], [0.0] * 3, seed=step))
+    fresh = _trainer(model_dir)
+    with torch.no_grad():
+        for p, w in zip(fresh.params, warmed.params, strict=True):
+            p.copy_(w)
+    warmed.reset_optimizer()
+    assert not warmed.optimizer.state
+    expected = rl_update(fresh)
+    assert all(torch.equal(a, b) for a, b in zip(rl_update(warmed), expected, strict=True))
+    assert not all(torch.allclose(a, b) for a, b in zip(rl_update(kept), expected, strict=True))

@@ -203,6 +203,9 @@ class TrainerConfig:
     sft_steps: int = doc_field(20, "Supervised warm-start steps on oracle demonstrations before RL.")
     sft_lr: float = doc_field(3e-3, "Learning rate of the warm start.")
     sft_batch_size: int = doc_field(16, "Demonstrations per warm-start step.")
+    rl_fresh_optimizer: bool = doc_field(
+        True, "Start RL with fresh AdamW moments (the warm start's would scale the first RL steps)."
+    )
     num_threads: int = doc_field(1, "torch threads of a trainer rank.")
     bucket_mb: float = doc_field(32.0, "Weight publication bucket size, MiB.")
 

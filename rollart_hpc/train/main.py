@@ -178,6 +178,8 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     started = time.perf_counter()
     if start["resume"] is None:
         warm_start(config, ctx, trainer, AutoTokenizer.from_pretrained(model_init))
+        if config.trainer.rl_fresh_optimizer:
+            trainer.reset_optimizer()
         current = run_dir / "model" / "warm"
     else:
         step = trainer.load_checkpoint(start["resume"])

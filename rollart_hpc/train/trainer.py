@@ -199,6 +199,10 @@ class Trainer:
         return self._run_step(batch, spo, RL_METRICS)
 
     # ---- weights and checkpoints ---------------------------------------------------------------
+    def reset_optimizer(self) -> None:
+        """Forget the optimizer's moments and step counts: the next step starts a fresh AdamW."""
+        self.optimizer.state.clear()
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """A snapshot (copies) of the weights under HF names and shapes; no `lm_head.weight` when tied."""
         state = {k: v.detach() for k, v in self.model.state_dict().items() if not k.endswith("._extra_state")}
