@@ -114,7 +114,7 @@ def run_world(run_dir: Path, world_size: int, timeout_s: float = 0.0) -> int:
 
 
 class _TerminatedError(Exception):
-    pass
+    """SIGTERM or SIGHUP reached the launcher while it waited for mpiexec."""
 
 
 def _raise_terminated(signum: int, _frame: object) -> None:
