@@ -18,7 +18,7 @@ from rollart_hpc.algo import (
     token_normalized_advantages,
     trajectory_whitened_advantages,
 )
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 EXAMPLE_A = np.array([0.5, 0.5, -0.5, -0.5])  # v_hat = 0.5: two successes, two failures
 EXAMPLE_L = np.array([200, 200, 2000, 2000])

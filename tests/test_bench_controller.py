@@ -5,7 +5,7 @@ import json
 import random
 
 from rollart_hpc.bench import controller as bench
-from rollart_hpc.cli import main as cli_main
+from rollart_hpc.entry.cli import main as cli_main
 
 
 def small_args(tmp_path, **over):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rollart_hpc.bench import e2e
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 REPO = Path(__file__).resolve().parent.parent
 

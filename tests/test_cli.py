@@ -44,7 +44,7 @@ def test_dry_run_prints_plan():
 
 def test_help_is_fast_and_torch_free():
     code = (
-        "import sys; from rollart_hpc.cli import build_parser; build_parser()\n"
+        "import sys; from rollart_hpc.entry.cli import build_parser; build_parser()\n"
         "assert 'torch' not in sys.modules and 'mpi4py' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

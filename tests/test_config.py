@@ -8,7 +8,7 @@ from rollart_hpc.config import load_config, write_resolved
 from rollart_hpc.config.loader import apply_overrides, build, parse_override
 from rollart_hpc.config.resolve import read_resolved
 from rollart_hpc.config.schema import Config
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))

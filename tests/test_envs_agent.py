@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rollart_hpc.envs import calc_math
+from rollart_hpc.envs.families import calc_math
 from rollart_hpc.envs.agent_loop import AgentConfig, new_trajectory, run_episode
 from rollart_hpc.envs.chat import ChatTokens
 from rollart_hpc.envs.demos import LocalAsyncEnv, ScriptedClient, demonstration_trajectory

@@ -8,7 +8,7 @@ import io
 import pytest
 
 from rollart_hpc.envs import cli
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

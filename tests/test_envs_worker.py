@@ -130,7 +130,7 @@ def test_env_exception_becomes_error_and_child_is_reused(tokenizer: Any) -> None
 
 
 def test_household_episodes_in_children(tokenizer: Any) -> None:
-    from rollart_hpc.envs.household_data import is_ready, prepare
+    from rollart_hpc.envs.families.household_data import is_ready, prepare
 
     if not is_ready():
         prepare(num_procs=2)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.models import cli, smollm2
 from rollart_hpc.models.checkpoint import check_weights, load_weights
 from rollart_hpc.models.config import config_from_dict, load_config

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from rollart_hpc.cluster import submit
+from rollart_hpc.entry import submit
 from rollart_hpc.cluster.plan import RoleRange, RunPlan, make_plan
 from rollart_hpc.cluster.sbatch import (
     HetComponent,
@@ -36,7 +36,7 @@ from rollart_hpc.cluster.sbatch import (
     unplaceable_components,
 )
 from rollart_hpc.config import load_config
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 HOSTILE_RUN_DIR = Path('/tmp/a b/it\'s "x"')
@@ -321,7 +321,7 @@ def _signal_once_step_runs(script: Path, record: Path, env: dict[str, str]) -> t
     """Start the script, send SIGUSR2 to the batch shell once the step runs; (exit status, stdout)."""
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 10
-    while not (record.exists() and "rollart_hpc.worker" in record.read_text()):
+    while not (record.exists() and "rollart_hpc.entry.worker" in record.read_text()):
         assert time.monotonic() < deadline, "the stub step did not start"
         time.sleep(0.05)
     time.sleep(0.2)  # the stub has installed its trap
@@ -346,7 +346,7 @@ def test_rendered_script_passes_the_run_dir_verbatim_and_a_failed_step_is_not_re
         "--unbuffered",
         "/usr/bin/python3",
         "-m",
-        "rollart_hpc.worker",
+        "rollart_hpc.entry.worker",
         run_dir,
     ]
     assert "[slurm] step exited with status 3" in proc.stdout and "a rank failed or was killed" in proc.stdout
@@ -374,7 +374,7 @@ def test_usr2_is_forwarded_to_the_step_and_requeue_waits_for_it(tmp_path: Path) 
     script, record, env = _shell_fixture(tmp_path, STOPPING_STEP)
     status, out = _signal_once_step_runs(script, record, env)
     assert status == 0, out
-    after_argv = record.read_text().split("rollart_hpc.worker\n", 1)[1].splitlines()[1:]
+    after_argv = record.read_text().split("rollart_hpc.entry.worker\n", 1)[1].splitlines()[1:]
     assert after_argv == ["step got USR2", "step ended", "scontrol", "requeue", "77"]
     assert "SIGUSR2 (preemption or time limit): forwarded to the step" in out
     assert "stopped at a checkpoint after SIGUSR2: requeue job 77 (restart 1 of 1)" in out
@@ -409,7 +409,7 @@ def _task_env(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int, restarts: int, worker_code: int = 0
 ) -> Path:
     """Stub scontrol on PATH, SLURM variables of task `rank`, and a `run_rank` that returns `worker_code`."""
-    import rollart_hpc.worker
+    import rollart_hpc.entry.worker
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -421,7 +421,7 @@ def _task_env(
     monkeypatch.setenv("SLURM_PROCID", str(rank))
     monkeypatch.setenv("SLURM_JOB_ID", "88")
     monkeypatch.setenv("SLURM_RESTART_COUNT", str(restarts))
-    monkeypatch.setattr(rollart_hpc.worker, "run_rank", lambda run_dir: worker_code)
+    monkeypatch.setattr(rollart_hpc.entry.worker, "run_rank", lambda run_dir: worker_code)
     return record
 
 
@@ -461,7 +461,7 @@ def test_worker_task_failure_raises(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 def test_job_spec_knows_every_job_and_refuses_others() -> None:
     from rollart_hpc.cluster.sbatch import FINISH_MARKERS
-    from rollart_hpc.worker import JOBS
+    from rollart_hpc.entry.worker import JOBS
 
     assert set(FINISH_MARKERS) == set(JOBS)
     assert _spec("x").finish_marker == "summary.json" and _spec("x", job="smoke").finish_marker is None
@@ -520,12 +520,12 @@ def test_worker_task_pickles_by_reference() -> None:
 
     task = submit.WorkerTask("/tmp/a b", "summary.json", 3)
     data = cloudpickle.dumps(task)
-    assert b"rollart_hpc.cluster.submit" in data and cloudpickle.loads(data) == task
+    assert b"rollart_hpc.entry.submit" in data and cloudpickle.loads(data) == task
 
 
 def test_module_imports_nothing_heavy() -> None:
     code = (
-        "import sys, rollart_hpc.cluster.submit, rollart_hpc.cluster.sbatch; "
+        "import sys, rollart_hpc.entry.submit, rollart_hpc.cluster.sbatch; "
         "print(sorted(m for m in ('torch', 'mpi4py', 'submitit', 'megatron') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

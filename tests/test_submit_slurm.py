@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from rollart_hpc.cluster import submit
-from rollart_hpc.errors import UsageError
+from rollart_hpc.entry import submit
+from rollart_hpc.contracts.errors import UsageError
 
 pytestmark = [
     pytest.mark.slurm,

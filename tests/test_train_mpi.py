@@ -60,7 +60,7 @@ def _worker(model_dir: str, out: str, port: int, load_from: str) -> None:
 
 
 def _run(num_ranks: int, model_dir: Path, out: Path, load_from: str = "") -> dict:
-    from rollart_hpc.launcher import mpi_environment
+    from rollart_hpc.entry.launcher import mpi_environment
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

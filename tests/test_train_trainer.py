@@ -192,7 +192,7 @@ def test_hf_export_round_trips_through_transformers(model_dir: Path, tmp_path: P
 
 
 def test_a_collective_that_times_out_names_the_peers(model_dir: Path) -> None:
-    from rollart_hpc.errors import PeerTimeoutError
+    from rollart_hpc.contracts.errors import PeerTimeoutError
     from rollart_hpc.train import comm
 
     class SilentWork:

@@ -256,7 +256,7 @@ def test_rank_loop_serves_requests_and_swaps_weights_through_the_vllm_engine(
     from types import SimpleNamespace
 
     from rollart_hpc.cluster.mailbox import Message
-    from rollart_hpc.controller import protocol as proto
+    from rollart_hpc.contracts import protocol as proto
     from rollart_hpc.rollout.main import serve
 
     engine = state["engine"]

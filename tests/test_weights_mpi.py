@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rollart_hpc.launcher import mpi_environment
+from rollart_hpc.entry.launcher import mpi_environment
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "mpi_scripts" / "weights_check.py"

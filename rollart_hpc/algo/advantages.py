@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 TRAJECTORY_EPS = 1e-8
 GRPO_EPS = 1e-6

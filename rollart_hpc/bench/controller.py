@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 GOAL_TRAJECTORIES_PER_S = 20_000.0
 NUM_BINS = 10
@@ -321,7 +321,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rollart_hpc.store.atomic import atomic_write_json
+    from rollart_hpc.contracts.atomic import atomic_write_json
 
     result = run_bench(args)
     atomic_write_json(Path(args.json), result)

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
 MODES = ("sync", "one_step_off", "async")
@@ -80,7 +80,7 @@ def run_mode(args: argparse.Namespace, mode: str, out_dir: Path) -> Path:
     cmd = [
         sys.executable,
         "-m",
-        "rollart_hpc.cli",
+        "rollart_hpc.entry.cli",
         "run",
         str(args.config.resolve()),
         "--run-dir",
@@ -251,7 +251,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rollart_hpc.store.atomic import atomic_write_json
+    from rollart_hpc.contracts.atomic import atomic_write_json
 
     result = run_bench(args)
     atomic_write_json(args.json, result)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 PROMPTS = (
     "What is the capital of France?",

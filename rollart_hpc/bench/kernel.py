@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 GPU_SHAPE = (32768, 4096, 151936)
 CPU_SHAPE = (48, 32, 100)

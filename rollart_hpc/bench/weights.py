@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,8 +55,8 @@ def worker_config(args: argparse.Namespace) -> dict[str, object]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rollart_hpc.launcher import mpi_environment
-    from rollart_hpc.store.atomic import atomic_write_json
+    from rollart_hpc.entry.launcher import mpi_environment
+    from rollart_hpc.contracts.atomic import atomic_write_json
 
     config = worker_config(args)
     mpiexec = Path(sys.executable).parent / "mpiexec"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollart_hpc.cluster.world import World
-from rollart_hpc.errors import PeerTimeoutError
+from rollart_hpc.contracts.errors import PeerTimeoutError
 
 TAG_HEARTBEAT = 100
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart_hpc.cluster.plan import RunPlan
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_DIR = REPO_ROOT / "slurm" / "templates"
@@ -211,7 +211,7 @@ def plan_line(components: tuple[HetComponent, ...]) -> str:
 def render_hetjob(
     spec: JobSpec, components: tuple[HetComponent, ...], template_dir: Path = TEMPLATE_DIR
 ) -> str:
-    """The sbatch script of a heterogeneous job running `rollart_hpc.worker` on every rank."""
+    """The sbatch script of a heterogeneous job running `rollart_hpc.entry.worker` on every rank."""
     if len(components) < 2:
         raise ValueError(f"a heterogeneous job needs at least 2 components, got {len(components)}")
     values = {

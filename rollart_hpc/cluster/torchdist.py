@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from rollart_hpc.cluster.world import World, rendezvous_address
 from rollart_hpc.config.schema import ROLE_NAMES
-from rollart_hpc.errors import PeerTimeoutError
+from rollart_hpc.contracts.errors import PeerTimeoutError
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from rollart_hpc.cluster.env import ProcessEnv
 from rollart_hpc.cluster.plan import RunPlan
 from rollart_hpc.config.schema import ROLE_NAMES
-from rollart_hpc.errors import PeerTimeoutError
+from rollart_hpc.contracts.errors import PeerTimeoutError
 
 if TYPE_CHECKING:
     from mpi4py import MPI

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rollart_hpc.config.loader import doc_field
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 ROLE_NAMES = ("controller", "rollout", "env", "reward", "trainer")
 Job = Literal["smoke", "rl"]

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from rollart_hpc.store.atomic import atomic_write_bytes, atomic_write_json
+from rollart_hpc.contracts.atomic import atomic_write_bytes, atomic_write_json
 
 COMPLETE = "COMPLETE"
 CONTROLLER_STATE = "controller.pkl"

@@ -20,11 +20,11 @@ from typing import Any
 from rollart_hpc.cluster import signals
 from rollart_hpc.cluster.mailbox import Message
 from rollart_hpc.config.schema import Config
-from rollart_hpc.controller import protocol as proto
+from rollart_hpc.contracts import protocol as proto
 from rollart_hpc.controller.batching import batch_advantages, batch_stats, shard_batch
 from rollart_hpc.controller.core import ControllerCore, ticket_to_dict
 from rollart_hpc.rl_common import RunContext, run_tasks
-from rollart_hpc.store.atomic import atomic_write_json
+from rollart_hpc.contracts.atomic import atomic_write_json
 
 
 def make_core(config: Config, tasks: list[Any]) -> ControllerCore:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart_hpc.config.schema import Config
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 
 def task_corpus(config: Config, families: dict[str, Any], tasks: list[Any]) -> Iterator[str]:

@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 SAMPLE_SIZE = 12
 
@@ -39,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _family(name: str):  # type: ignore[no-untyped-def]
-    from rollart_hpc.envs.household_data import is_ready
+    from rollart_hpc.envs.families.household_data import is_ready
     from rollart_hpc.envs.registry import FAMILIES, make_family
 
     if name not in FAMILIES:
@@ -50,7 +50,7 @@ def _family(name: str):  # type: ignore[no-untyped-def]
 
 
 def _prepare(force: bool, procs: int) -> int:
-    from rollart_hpc.envs.household_data import prepare
+    from rollart_hpc.envs.families.household_data import prepare
 
     if procs < 1:
         raise UsageError(f"--procs must be >= 1, got {procs}")

@@ -27,19 +27,19 @@ class Family(Protocol):
 
 
 def _household(**options: Any) -> Family:
-    from rollart_hpc.envs.household import HouseholdFamily
+    from rollart_hpc.envs.families.household import HouseholdFamily
 
     return HouseholdFamily(**options)
 
 
 def _calc_math(**options: Any) -> Family:
-    from rollart_hpc.envs.calc_math import CalcMathFamily
+    from rollart_hpc.envs.families.calc_math import CalcMathFamily
 
     return CalcMathFamily(**options)
 
 
 def _frozenlake(**options: Any) -> Family:
-    from rollart_hpc.envs.frozenlake import FrozenLakeFamily
+    from rollart_hpc.envs.families.frozenlake import FrozenLakeFamily
 
     return FrozenLakeFamily(**options)
 

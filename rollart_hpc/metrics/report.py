@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.metrics.timeline import RankTimeline, busy_fraction, merge_intervals, read_timelines, window
 
 
@@ -296,7 +296,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     out = Path(out_dir) if out_dir is not None else run.run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     plots, missing = make_plots(run, out)
-    from rollart_hpc.store.atomic import atomic_write_bytes
+    from rollart_hpc.contracts.atomic import atomic_write_bytes
 
     path = out / "report.md"
     atomic_write_bytes(path, markdown(run, plots, missing).encode())

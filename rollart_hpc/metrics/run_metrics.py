@@ -54,7 +54,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def truncate_metrics(run_dir: Path, version: int) -> list[dict[str, Any]]:
     """Keep the rows of steps before `version` (a resumed run continues there); returns them."""
-    from rollart_hpc.store.atomic import atomic_write_bytes
+    from rollart_hpc.contracts.atomic import atomic_write_bytes
 
     rows = [r for r in read_metrics(run_dir) if int(r["step"]) < version]
     text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)

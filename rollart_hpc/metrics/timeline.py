@@ -72,7 +72,7 @@ class Timeline:
 
     def write(self, run_dir: Path) -> Path:
         """Write `run_dir/timeline/rank-<r>.json` atomically; returns its path."""
-        from rollart_hpc.store.atomic import atomic_write_bytes
+        from rollart_hpc.contracts.atomic import atomic_write_bytes
 
         path = Path(run_dir) / TIMELINE_DIR / f"rank-{self.rank}.json"
         atomic_write_bytes(path, json.dumps(self.to_dict()).encode())

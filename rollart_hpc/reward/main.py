@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from rollart_hpc.config.schema import Config
-from rollart_hpc.controller import protocol as proto
+from rollart_hpc.contracts import protocol as proto
 from rollart_hpc.metrics.timeline import Timeline
 from rollart_hpc.rl_common import RunContext
 

@@ -37,8 +37,8 @@ import torch
 
 from rollart_hpc.models.checkpoint import check_weights, drop_tied_head, load_weights
 from rollart_hpc.models.config import ModelConfig, load_config
-from rollart_hpc.models.decoder import Decoder, Segment, SlotKVCache
-from rollart_hpc.models.packed import PackedWeights, pack_weights, resolve_backend, unpack_weights
+from rollart_hpc.rollout.decoder import Decoder, Segment, SlotKVCache
+from rollart_hpc.rollout.packed import PackedWeights, pack_weights, resolve_backend, unpack_weights
 from rollart_hpc.rollout.sampling import sample
 from rollart_hpc.rollout.types import FinishReason, RequestOutput, SamplingParams
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rollart_hpc.store.atomic import atomic_write_json
+from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.train import comm
 
 MARKER = "COMPLETE"

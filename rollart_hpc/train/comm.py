@@ -11,7 +11,7 @@ import datetime as dt
 import torch
 import torch.distributed as dist
 
-from rollart_hpc.errors import PeerTimeoutError
+from rollart_hpc.contracts.errors import PeerTimeoutError
 
 
 def _wait(work: dist.Work, what: str, timeout_s: float) -> None:

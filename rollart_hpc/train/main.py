@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart_hpc.config.schema import Config
-from rollart_hpc.controller import protocol as proto
+from rollart_hpc.contracts import protocol as proto
 from rollart_hpc.metrics.timeline import Timeline
 from rollart_hpc.rl_common import (
     RunContext,

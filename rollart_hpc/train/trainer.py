@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from rollart_hpc.models.config import ModelConfig
-from rollart_hpc.store.atomic import atomic_write_json
+from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.train import checkpoint, comm
 from rollart_hpc.train.batch import (
     PackedBatch,

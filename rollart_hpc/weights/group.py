@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rollart_hpc.cluster.world import World
-from rollart_hpc.errors import PeerTimeoutError, UsageError
+from rollart_hpc.contracts.errors import PeerTimeoutError, UsageError
 
 TAG_GROUP = 9101
 Backend = Literal["gloo", "nccl"]

@@ -16,7 +16,7 @@ from rollart_hpc.cluster.plan import make_plan
 from rollart_hpc.cluster.world import make_world
 from rollart_hpc.config.loader import build
 from rollart_hpc.config.schema import RolesConfig
-from rollart_hpc.errors import PeerTimeoutError
+from rollart_hpc.contracts.errors import PeerTimeoutError
 
 TIMEOUT = 4.0
 

@@ -16,7 +16,7 @@ import torch
 from rollart_hpc.cluster.env import read_process_env
 from rollart_hpc.cluster.plan import RoleRange, RunPlan
 from rollart_hpc.cluster.world import make_world
-from rollart_hpc.errors import PeerTimeoutError
+from rollart_hpc.contracts.errors import PeerTimeoutError
 from rollart_hpc.weights.buckets import layout_for
 from rollart_hpc.weights.group import make_standalone_group
 from rollart_hpc.weights.notify import announce, poll_announcement

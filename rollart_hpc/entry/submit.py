@@ -2,7 +2,7 @@
 
 The config is resolved exactly as for `run` and written to the run dir. Roles map to partitions by
 `roles.<role>.partition`:
-- one partition (or none set): one job through submitit; every srun task executes `rollart_hpc.worker`
+- one partition (or none set): one job through submitit; every srun task executes `rollart_hpc.entry.worker`
   for the run dir (in submitit's task process), with `slurm/mpi_env.sh` sourced in the job's setup.
 - several partitions: a heterogeneous job rendered from `slurm/templates/hetjob.sbatch.in` (see
   `rollart_hpc.cluster.sbatch`), submitted with `sbatch`; one `srun --het-group` step is the MPI world.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 if TYPE_CHECKING:
     from rollart_hpc.cluster.plan import RunPlan
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class WorkerTask:
-    """What each submitit task runs: this rank's `rollart_hpc.worker` for the run dir (picklable).
+    """What each submitit task runs: this rank's `rollart_hpc.entry.worker` for the run dir (picklable).
 
     `finish_marker` is the file a finished run leaves (None: exit 0 is the end); `max_requeues` bounds the
     requeues after stops at a checkpoint (see the module docstring)."""
@@ -75,11 +75,11 @@ class WorkerTask:
     max_requeues: int = 0
 
     def __call__(self) -> int:
-        from rollart_hpc.worker import run_rank
+        from rollart_hpc.entry.worker import run_rank
 
         code = run_rank(Path(self.run_dir))
         if code != 0:
-            raise RuntimeError(f"rollart_hpc.worker exited with code {code} for run dir {self.run_dir}")
+            raise RuntimeError(f"rollart_hpc.entry.worker exited with code {code} for run dir {self.run_dir}")
         if self.finish_marker is not None and not (Path(self.run_dir) / self.finish_marker).exists():
             requeue_after_stop(Path(self.run_dir), self.max_requeues)
         return code
@@ -154,7 +154,7 @@ def prepare_run_dir(config: Any, run_dir: Path) -> None:
 
 def submit_hetjob(spec: JobSpec, plan: RunPlan, config: Any, dry_run: bool) -> int:
     from rollart_hpc.cluster.sbatch import HETJOB_SCRIPT, check_components_fit, het_components, render_hetjob
-    from rollart_hpc.store.atomic import atomic_write_bytes
+    from rollart_hpc.contracts.atomic import atomic_write_bytes
 
     components = het_components(plan)
     script = render_hetjob(spec, components)
@@ -256,7 +256,7 @@ def job_record(spec: JobSpec, plan: RunPlan, mode: str, job_id: str, logs: list[
 
 
 def finish(spec: JobSpec, record: dict[str, Any]) -> int:
-    from rollart_hpc.store.atomic import atomic_write_json
+    from rollart_hpc.contracts.atomic import atomic_write_json
 
     atomic_write_json(spec.run_dir / JOB_RECORD, record)
     print(f"submitted job {record['job_id']} ({record['mode']}, {record['world_size']} ranks)")

@@ -12,14 +12,14 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 # name -> (module, one-line help). Explicit; no import-time discovery.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("rollart_hpc.launcher", "run a config locally as one MPI world (mpiexec)"),
-    "resume": ("rollart_hpc.resume", "restart a local run from its last checkpoint"),
+    "run": ("rollart_hpc.entry.launcher", "run a config locally as one MPI world (mpiexec)"),
+    "resume": ("rollart_hpc.entry.resume", "restart a local run from its last checkpoint"),
     "submit": (
-        "rollart_hpc.cluster.submit",
+        "rollart_hpc.entry.submit",
         "submit a config to SLURM (hetjob across partitions, else submitit)",
     ),
     "bench": ("rollart_hpc.bench.cli", "benchmarks that write JSON"),

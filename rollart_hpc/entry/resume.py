@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +22,7 @@ def main(args: argparse.Namespace) -> int:
     from rollart_hpc.config import read_resolved
     from rollart_hpc.config.resolve import RESOLVED_NAME
     from rollart_hpc.controller.checkpoint import latest
-    from rollart_hpc.launcher import run_world
+    from rollart_hpc.entry.launcher import run_world
 
     run_dir = Path(args.run_dir).resolve()
     if not (run_dir / RESOLVED_NAME).exists():

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollart_hpc.envs.household_gen import NUM_GAMES
+from rollart_hpc.envs.families.household_gen import NUM_GAMES
 
 CACHE_VERSION = "v1"
 READY = "READY"
@@ -32,7 +32,7 @@ READY = "READY"
 def data_dir() -> Path:
     """`$ROLLART_DATA` if set, else `<repo root>/data`."""
     env = os.environ.get("ROLLART_DATA")
-    return Path(env).resolve() if env else Path(__file__).resolve().parents[2] / "data"
+    return Path(env).resolve() if env else Path(__file__).resolve().parents[3] / "data"
 
 
 def household_dir(root: Path | None = None) -> Path:
@@ -94,8 +94,8 @@ def _run_generators(folder: Path, num_procs: int) -> None:
 def _spawn(folder: Path, first: int, last: int, tmp: Path) -> subprocess.Popen[bytes]:
     tmp.mkdir(parents=True)
     env = dict(os.environ, PYTHONHASHSEED="0", TMPDIR=str(tmp))
-    cmd = [sys.executable, "-m", "rollart_hpc.envs.household_gen", str(folder), str(first), str(last)]
-    return subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[2]))
+    cmd = [sys.executable, "-m", "rollart_hpc.envs.families.household_gen", str(folder), str(first), str(last)]
+    return subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[3]))
 
 
 def _verify(folder: Path, index: int) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from rollart_hpc.models.config import ModelConfig
-from rollart_hpc.models.packed import LayerWeights, PackedWeights
+from rollart_hpc.rollout.packed import LayerWeights, PackedWeights
 
 
 def _inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -8,7 +8,7 @@ operations; ids do not change.
 
 Tool syntax: the model writes `<calc>EXPR</calc>` and observes `= VALUE` (or `error: ...`), and ends
 with `<answer>NUMBER</answer>`; the episode is done after the first answer, reward 1.0 if it equals the
-gold answer. The calculator is `rollart_hpc.envs.calculator.evaluate` (restricted, bounded, never
+gold answer. The calculator is `rollart_hpc.envs.families.calculator.evaluate` (restricted, bounded, never
 executes code).
 """
 
@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from rollart_hpc.envs.calculator import CalcError, evaluate, format_number
+from rollart_hpc.envs.families.calculator import CalcError, evaluate, format_number
 from rollart_hpc.envs.types import Task
 
 FAMILY = "calc_math"

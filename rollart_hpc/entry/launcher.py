@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from rollart_hpc.errors import UsageError
+from rollart_hpc.contracts.errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +65,7 @@ def mpiexec_command(world_size: int, run_dir: Path) -> list[str]:
         "--oversubscribe",
         sys.executable,
         "-m",
-        "rollart_hpc.worker",
+        "rollart_hpc.entry.worker",
         str(run_dir),
     ]
 

@@ -1,4 +1,4 @@
-"""Entry point of every rank: `python -m rollart_hpc.worker RUN_DIR`.
+"""Entry point of every rank: `python -m rollart_hpc.entry.worker RUN_DIR`.
 
 Reads the resolved config, builds the World, and enters this rank's role main for the configured job.
 A rank that fails writes `failures/rank-<r>.json` (atomic; the launcher reads these to name the failing
@@ -20,12 +20,12 @@ from rollart_hpc.cluster.plan import make_plan
 from rollart_hpc.cluster.world import World, make_world
 from rollart_hpc.config import read_resolved
 from rollart_hpc.config.schema import Config
-from rollart_hpc.store.atomic import atomic_write_json
+from rollart_hpc.contracts.atomic import atomic_write_json
 
 # job -> module with `main(config, world, run_dir)`: explicit, keyed by `run.job`.
 JOBS: dict[str, str] = {
-    "smoke": "rollart_hpc.smoke",
-    "rl": "rollart_hpc.rl",
+    "smoke": "rollart_hpc.entry.smoke",
+    "rl": "rollart_hpc.entry.rl",
 }
 
 

@@ -1,0 +1,1 @@
+"""rollart_hpc.contracts."""
