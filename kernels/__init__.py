@@ -1,7 +1,9 @@
 """Triton kernels with their torch references (installed as rollart_hpc.kernels).
 
-`policy_loss` holds the entry points (`fused_policy_loss`, `linear_logprob`, the implementation selector);
-`lm_head_triton` the Triton kernels and `lm_head_reference` their torch reference of the same signature.
+`policy_loss` holds the entry points (`fused_token_terms`, `fused_policy_loss`, `linear_logprob`, the
+implementation selector); `lm_head_triton` the Triton kernels and `lm_head_reference` their torch reference
+of the same signature; `token_loss` the per-token SPO++ terms in torch and their one reduction to the loss
+and `LossDiagnostics`. This package imports nothing of `rollart_hpc` outside `rollart_hpc.kernels`.
 Names below load their module on first access, so importing the package imports neither torch nor triton.
 """
 
@@ -11,13 +13,20 @@ import importlib
 from typing import Any
 
 EXPORTS = {
-    "FusedDiagnostics": "policy_loss",
+    "FusedTokens": "policy_loss",
     "IMPLS": "policy_loss",
     "fused_policy_loss": "policy_loss",
+    "fused_token_terms": "policy_loss",
     "linear_logprob": "policy_loss",
     "resolve_impl": "policy_loss",
+    "KernelLossConfig": "common",
     "KernelTuning": "common",
     "LossInputs": "common",
+    "LossDiagnostics": "token_loss",
+    "SUMMED_DIAGNOSTICS": "token_loss",
+    "TokenTerms": "token_loss",
+    "ppo_token_terms": "token_loss",
+    "reduce_token_terms": "token_loss",
     "eager_policy_loss": "lm_head_reference",
 }
 

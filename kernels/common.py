@@ -20,6 +20,39 @@ import torch
 
 
 @dataclass(frozen=True)
+class KernelLossConfig:
+    """The SPO++ per-token loss parameters the kernels read (the algorithm's config converts to this).
+
+    clip_low / clip_high: ratio clipped to [1 - clip_low, 1 + clip_high].
+    dual_clip_c: per-token loss capped at -c*A for A < 0; None disables.
+    is_cap: cap on the behaviour weight exp(old - behaviour); None leaves it unbounded.
+    decoupled: False truncates the weight at is_cap; True drops tokens whose weight exceeds it.
+    log_ratio_clamp: log-ratios are clamped to +-this before exp.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip_c: float | None = 2.0
+    is_cap: float | None = 2.0
+    decoupled: bool = False
+    log_ratio_clamp: float = 20.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.clip_low < 1 and self.clip_high > 0):
+            raise ValueError(
+                f"need 0 < clip_low < 1 and clip_high > 0, got {self.clip_low}, {self.clip_high}"
+            )
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
+        if self.is_cap is not None and self.is_cap <= 0:
+            raise ValueError(f"is_cap must be > 0, got {self.is_cap}")
+        if self.decoupled and self.is_cap is None:
+            raise ValueError("decoupled PPO filters tokens by is_cap, so it needs one")
+        if self.log_ratio_clamp <= 0:
+            raise ValueError(f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+
+
+@dataclass(frozen=True)
 class KernelTuning:
     """Tile and chunk sizes; None picks a default for the device (GPU tiles, or large tiles to interpret).
 

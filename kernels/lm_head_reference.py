@@ -2,8 +2,9 @@
 
 Same operations as `lm_head_triton` (see `common`): logits are computed for `token_chunk` tokens at a
 time in float32 (float64 for float64 inputs), so memory is O(token_chunk * V), never [T, V]. The
-per-token loss terms come from `rollart_hpc.algo.loss.ppo_token_terms` itself, and d loss / d logprob
-from autograd through it, so this path equals the training reference by construction.
+per-token loss terms come from `token_loss.ppo_token_terms` itself (the function the training loss
+uses), and d loss / d logprob from autograd through it, so this path equals the training reference by
+construction.
 
 `eager_policy_loss` is the unfused baseline (full logits, autograd end to end) used by the benchmark
 and, in float64, as the ground truth of the parity tests.
@@ -12,9 +13,15 @@ and, in float64, as the ground truth of the parity tests.
 from __future__ import annotations
 
 import torch
-from rollart_hpc.kernels.common import KernelTuning, LossInputs, TokenForward, check_loss_inputs, check_shapes
-
-from rollart_hpc.algo.loss import LossConfig, ppo_token_terms
+from rollart_hpc.kernels.common import (
+    KernelLossConfig,
+    KernelTuning,
+    LossInputs,
+    TokenForward,
+    check_loss_inputs,
+    check_shapes,
+)
+from rollart_hpc.kernels.token_loss import ppo_token_terms
 
 LOGITS_BUDGET_ELEMENTS = 1 << 24  # 64 MiB of float32 logits per chunk
 
@@ -56,7 +63,7 @@ def token_stats(
     return logp, lse, entropy
 
 
-def loss_terms(logp: torch.Tensor, inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, ...]:
+def loss_terms(logp: torch.Tensor, inputs: LossInputs, cfg: KernelLossConfig) -> tuple[torch.Tensor, ...]:
     """`ppo_token_terms` on detached log-probs, plus d loss_t / d logp_t by autograd."""
     leaf = logp.detach().clone().requires_grad_(True)
     with torch.enable_grad():
@@ -85,7 +92,7 @@ def forward(
     weight: torch.Tensor,
     targets: torch.Tensor,
     inputs: LossInputs,
-    cfg: LossConfig,
+    cfg: KernelLossConfig,
     with_entropy: bool,
     tuning: KernelTuning,
 ) -> TokenForward:
@@ -127,7 +134,7 @@ def eager_policy_loss(
     targets: torch.Tensor,
     inputs: LossInputs,
     num_global_action_tokens: int,
-    cfg: LossConfig,
+    cfg: KernelLossConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unfused baseline: full [T, V] logits in the compute dtype, autograd end to end; (loss, logprobs)."""
     logits = (hidden @ weight.T).to(compute_dtype(hidden.dtype))

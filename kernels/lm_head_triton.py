@@ -7,7 +7,7 @@ Forward, two launches:
      running max m, sum s = sum exp(x - m), shifted entropy sum e = sum exp(x - m) (x - m), and the target
      logit (found in exactly one split). No more than one tile of logits exists at any time.
   2. `_combine_loss_kernel`, grid (token tiles): merges the splits into lse / logprob / entropy and
-     evaluates the per-token SPO++ terms of `rollart_hpc.algo.loss.ppo_token_terms` and d loss_t / d logp_t.
+     evaluates the per-token SPO++ terms of `token_loss.ppo_token_terms` and d loss_t / d logp_t.
 Backward: for each (token chunk, vocabulary chunk) `_dlogits_kernel` recomputes the logits tiles and writes
 d logits = g (onehot - softmax) for that chunk only, in the input dtype; two GEMMs then accumulate
 d hidden += d logits @ weight[chunk] and d weight[chunk] += d logits.T @ hidden (float32 accumulators).
@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from rollart_hpc.kernels.common import (
+    KernelLossConfig,
     KernelTuning,
     LossInputs,
     TokenForward,
@@ -32,8 +33,6 @@ from rollart_hpc.kernels.common import (
     check_shapes,
     next_pow2,
 )
-
-from rollart_hpc.algo.loss import LossConfig
 
 DLOGITS_BUDGET_ELEMENTS = 1 << 28  # d logits chunk: 512 MiB in bf16
 
@@ -336,7 +335,7 @@ def forward(
     weight: torch.Tensor,
     targets: torch.Tensor,
     inputs: LossInputs,
-    cfg: LossConfig,
+    cfg: KernelLossConfig,
     with_entropy: bool,
     tuning: KernelTuning,
 ) -> TokenForward:

@@ -1,8 +1,9 @@
 """Fused LM-head log-prob + SPO++ policy loss for the trainer: selector and autograd functions.
 
-`fused_policy_loss` takes the final hidden states of packed tokens (never the [T, V] logits) and returns
-the token-mean SPO++ loss of `rollart_hpc.algo.loss` (same per-token terms, divided by the global
-action-token count), the per-token log-probs (detached) and diagnostics summed the same way. The
+`fused_token_terms` takes the final hidden states of packed tokens (never the [T, V] logits) and returns
+the per-token SPO++ terms of `token_loss.ppo_token_terms`, with the per-token loss differentiable w.r.t.
+hidden states and LM-head weight; `fused_policy_loss` reduces them with `token_loss.reduce_token_terms`
+(divided by the global action-token count) into the loss, log-probs (detached) and diagnostics. The
 backward recomputes logits tile by tile (`lm_head_triton`) or chunk by chunk (`lm_head_reference`).
 
 Implementations, keyed by name in `IMPLS`: "triton" and "torch". `impl="auto"` reads the override
@@ -14,14 +15,12 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from rollart_hpc.kernels.common import KernelTuning, LossInputs, TokenForward
-
-from rollart_hpc.algo.loss import LossConfig
+from rollart_hpc.kernels.common import KernelLossConfig, KernelTuning, LossInputs, TokenForward
+from rollart_hpc.kernels.token_loss import LossDiagnostics, TokenTerms, reduce_token_terms
 
 IMPLS: dict[str, str] = {
     "triton": "rollart_hpc.kernels.lm_head_triton",
@@ -51,8 +50,9 @@ def get_ops(impl: str, device: torch.device) -> ModuleType:
     return importlib.import_module(IMPLS[resolve_impl(impl, device)])
 
 
-class _LossFromTokens(torch.autograd.Function):
-    """loss (precomputed by the fused forward) -> d hidden, d weight via the recomputing backward."""
+class _TokenLoss(torch.autograd.Function):
+    """Per-token loss [T] (precomputed by the fused forward) -> d hidden, d weight via the recomputing
+    backward: d loss / d logprob_t = coef_t, times the upstream gradient of loss_t."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -93,7 +93,7 @@ class _LinearLogprob(torch.autograd.Function):
         num_tokens = hidden.shape[0]
         zeros = torch.zeros(num_tokens, dtype=torch.float32, device=hidden.device)
         inputs = LossInputs(zeros.to(torch.bool), zeros, zeros, zeros)
-        out = ops.forward(hidden, weight, targets, inputs, LossConfig(), False, tuning)
+        out = ops.forward(hidden, weight, targets, inputs, KernelLossConfig(), False, tuning)
         ctx.save_for_backward(hidden, weight, targets, out.lse)
         ctx.ops, ctx.tuning = ops, tuning
         return out.logprobs
@@ -120,38 +120,35 @@ def linear_logprob(
     return out
 
 
-@dataclass(frozen=True)
-class FusedDiagnostics:
-    """Detached diagnostics of one micro-batch, divided by the global action-token count like the loss
-    (sum them over micro-batches and ranks; take the max of `max_abs_advantage`). `entropy` is the summed
-    action-token entropy / denominator and `token_entropy` the per-token entropy [T], when asked for."""
+class FusedTokens(NamedTuple):
+    """Per-token results [T] of the fused forward: SPO++ terms (`terms.loss` carries the gradient to hidden
+    and weight; the rest is detached), log-probs (detached) and entropy (when asked for)."""
 
-    approx_kl: torch.Tensor
-    clip_fraction: torch.Tensor
-    dual_clip_fraction: torch.Tensor
-    is_capped_fraction: torch.Tensor
-    max_abs_advantage: torch.Tensor
-    num_action_tokens: int
-    entropy: torch.Tensor | None = None
-    token_entropy: torch.Tensor | None = None
+    terms: TokenTerms
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
 
 
-def _diagnostics(out: TokenForward, inputs: LossInputs, denom: float) -> FusedDiagnostics:
-    mask = inputs.action_mask.bool()
-    abs_adv = torch.where(mask, inputs.advantages.detach().abs().to(out.loss.dtype), 0.0)
-    entropy = None
-    if out.entropy is not None:
-        entropy = torch.where(mask, out.entropy, 0.0).sum() / denom
-    return FusedDiagnostics(
-        approx_kl=out.approx_kl.sum() / denom,
-        clip_fraction=out.clipped.sum() / denom,
-        dual_clip_fraction=out.dual_clipped.sum() / denom,
-        is_capped_fraction=out.is_capped.sum() / denom,
-        max_abs_advantage=abs_adv.max() if abs_adv.numel() else abs_adv.sum(),
-        num_action_tokens=int(mask.sum()),
-        entropy=entropy,
-        token_entropy=out.entropy,
-    )
+def fused_token_terms(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    inputs: LossInputs,
+    cfg: KernelLossConfig,
+    impl: str = "auto",
+    with_entropy: bool = False,
+    tuning: KernelTuning | None = None,
+) -> FusedTokens:
+    """The per-token SPO++ terms of `hidden @ weight.T` [T, V] without materialising it; per-token
+    inputs [T] (advantages already broadcast to tokens) are constants of the loss."""
+    inputs = LossInputs(*(t.detach() for t in inputs))
+    ops = get_ops(impl, hidden.device)
+    tuning = tuning or KernelTuning()
+    with torch.no_grad():
+        out: TokenForward = ops.forward(hidden, weight, targets, inputs, cfg, with_entropy, tuning)
+    loss = _TokenLoss.apply(hidden, weight, out.loss, targets, out.lse, out.coef, ops, tuning)
+    terms = TokenTerms(loss, out.is_weight, out.clipped, out.dual_clipped, out.is_capped, out.approx_kl)
+    return FusedTokens(terms, out.logprobs, out.entropy)
 
 
 def fused_policy_loss(
@@ -163,28 +160,20 @@ def fused_policy_loss(
     behaviour_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     num_global_action_tokens: int,
-    cfg: LossConfig,
+    cfg: KernelLossConfig,
     impl: str = "auto",
     with_entropy: bool = False,
     tuning: KernelTuning | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, FusedDiagnostics]:
+) -> tuple[torch.Tensor, torch.Tensor, LossDiagnostics]:
     """SPO++ loss of packed tokens straight from hidden states [T, H] and the LM head [V, H].
 
     Per-token inputs are [T] (advantages already broadcast to tokens). Returns (loss with gradient to
-    hidden and weight, log-probs [T] detached, diagnostics). Equals `packed_policy_loss` on the
-    log-probs of `hidden @ weight.T`, up to floating-point rounding.
+    hidden and weight, log-probs [T] detached, diagnostics), reduced by `token_loss.reduce_token_terms`
+    like the torch reference, so it equals that on the log-probs of `hidden @ weight.T` up to rounding.
     """
-    inputs = LossInputs(action_mask, old_logprobs.detach(), behaviour_logprobs.detach(), advantages.detach())
-    num_local = int(action_mask.bool().sum())
-    if num_global_action_tokens < max(num_local, 1):
-        raise ValueError(
-            f"num_global_action_tokens {num_global_action_tokens} < this batch's {num_local} (or 0)"
-        )
-    ops = get_ops(impl, hidden.device)
-    tuning = tuning or KernelTuning()
-    with torch.no_grad():
-        out: TokenForward = ops.forward(hidden, weight, targets, inputs, cfg, with_entropy, tuning)
-    denom = float(num_global_action_tokens)
-    loss_value = out.loss.sum() / denom
-    loss = _LossFromTokens.apply(hidden, weight, loss_value, targets, out.lse, out.coef / denom, ops, tuning)
-    return loss, out.logprobs, _diagnostics(out, inputs, denom)
+    inputs = LossInputs(action_mask, old_logprobs, behaviour_logprobs, advantages)
+    fused = fused_token_terms(hidden, weight, targets, inputs, cfg, impl, with_entropy, tuning)
+    loss, diagnostics = reduce_token_terms(
+        fused.terms, action_mask, advantages, num_global_action_tokens, fused.entropy
+    )
+    return loss, fused.logprobs, diagnostics

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rollart_hpc.kernels import KernelLossConfig, LossInputs
 
-from rollart_hpc.algo import LossConfig, broadcast_to_tokens, packed_policy_loss, ppo_token_terms
+from rollart_hpc.algo import (
+    LossConfig,
+    LossDiagnostics,
+    broadcast_to_tokens,
+    packed_policy_loss,
+    policy_loss,
+    ppo_token_terms,
+)
 
 CONFIGS = {
     "spo++": LossConfig(),
@@ -101,7 +110,7 @@ class _Batch:
         lo, hi = starts[first], starts[last]
         cu = torch.tensor(starts[first : last + 1]) - lo
         logprobs = -torch.nn.functional.softplus(self.features[lo:hi] @ theta)
-        out = packed_policy_loss(
+        loss, _ = packed_policy_loss(
             logprobs,
             self.old[lo:hi],
             self.behaviour[lo:hi],
@@ -111,7 +120,7 @@ class _Batch:
             num_global,
             cfg,
         )
-        return out.loss
+        return loss
 
 
 split_cases = st.tuples(
@@ -151,15 +160,15 @@ def test_observation_tokens_get_no_gradient_even_with_garbage() -> None:
     logprobs = torch.tensor([-0.5, 80.0, -1.2, -1e9, 3.0, -0.1], dtype=torch.float64, requires_grad=True)
     old = torch.tensor([-0.4, float("nan"), -1.0, 50.0, float("inf"), -0.3], dtype=torch.float64)
     behaviour = torch.tensor([-0.6, float("-inf"), -1.1, float("nan"), 0.0, -0.2], dtype=torch.float64)
-    out = packed_policy_loss(
+    loss, out = packed_policy_loss(
         logprobs, old, behaviour, torch.tensor([1.0, -2.0]), torch.tensor([0, 3, 6]), mask, 3, LossConfig()
     )
-    out.loss.backward()
+    loss.backward()
     assert logprobs.grad is not None
-    assert torch.isfinite(out.loss) and torch.isfinite(logprobs.grad).all()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
     assert logprobs.grad[~mask].tolist() == [0.0, 0.0, 0.0]
     assert (logprobs.grad[mask] != 0).all()
-    assert torch.isfinite(out.approx_kl) and out.num_action_tokens == 3
+    assert torch.isfinite(out.approx_kl) and torch.isfinite(out.is_weight) and out.num_action_tokens == 3
 
 
 any_float = st.floats(allow_nan=True, allow_infinity=True, width=64)
@@ -185,11 +194,11 @@ def test_masked_tokens_never_receive_gradient(case: tuple) -> None:
     lp_t.requires_grad_(True)
     num = max(int(mask.sum()), 1)
     cu = torch.tensor([0, len(mask_list)])
-    out = packed_policy_loss(
+    loss, _ = packed_policy_loss(
         lp_t, old_t, behav_t, torch.tensor([adv], dtype=torch.float64), cu, mask, num, CONFIGS[name]
     )
-    out.loss.backward()
-    assert lp_t.grad is not None and torch.isfinite(out.loss)
+    loss.backward()
+    assert lp_t.grad is not None and torch.isfinite(loss)
     assert torch.isfinite(lp_t.grad).all()
     assert (lp_t.grad[~mask] == 0).all()
 
@@ -199,11 +208,12 @@ def test_global_token_denominator_and_diagnostics() -> None:
     old = torch.zeros(4, dtype=torch.float64)
     behav = torch.tensor([0.0, -math.log(3), 0.0, 0.0], dtype=torch.float64)
     mask = torch.tensor([1, 1, 1, 0])
-    out = packed_policy_loss(
+    loss, out = packed_policy_loss(
         lp, old, behav, torch.tensor([1.0, -4.0]), torch.tensor([0, 2, 4]), mask, 6, LossConfig()
     )
     # per-token: -1.28 (clipped), -2 (weight 3 -> 2, ratio 1, A = 1), 4 (A = -4, ratio 1); denominator 6
-    torch.testing.assert_close(out.loss, torch.tensor((-1.28 - 2.0 + 4.0) / 6, dtype=torch.float64))
+    torch.testing.assert_close(loss, torch.tensor((-1.28 - 2.0 + 4.0) / 6, dtype=torch.float64))
+    assert out.is_weight.item() == pytest.approx((1.0 + 2.0 + 1.0) / 6)
     assert out.clip_fraction.item() == pytest.approx(1 / 6)
     assert out.is_capped_fraction.item() == pytest.approx(1 / 6)
     assert out.dual_clip_fraction.item() == 0.0
@@ -229,7 +239,7 @@ def test_gradcheck_float64(name: str) -> None:
     mask[[2, 9, 20]] = False
 
     def f(lp: torch.Tensor) -> torch.Tensor:
-        return packed_policy_loss(lp, old, behaviour, adv, cu, mask, 30, CONFIGS[name]).loss
+        return packed_policy_loss(lp, old, behaviour, adv, cu, mask, 30, CONFIGS[name])[0]
 
     assert torch.autograd.gradcheck(f, (logprobs,), eps=1e-6, atol=1e-8)
 
@@ -243,3 +253,43 @@ def test_loss_config_validation() -> None:
         LossConfig(is_cap=0.0)
     with pytest.raises(ValueError, match="decoupled"):
         LossConfig(decoupled=True, is_cap=None)
+
+
+def test_loss_config_converts_to_the_kernel_config() -> None:
+    cfg = LossConfig(clip_low=0.1, clip_high=0.3, dual_clip_c=None, is_cap=3.0, decoupled=True)
+    assert cfg.to_kernel() == KernelLossConfig(
+        clip_low=0.1, clip_high=0.3, dual_clip_c=None, is_cap=3.0, decoupled=True, log_ratio_clamp=20.0
+    )
+    with pytest.raises(ValueError, match="dual_clip_c"):
+        KernelLossConfig(dual_clip_c=0.5)
+
+
+def test_policy_loss_on_token_batch_equals_packed_policy_loss() -> None:
+    """The entry point on per-token advantages equals the per-trajectory packed form; None old = current."""
+    batch, cfg = _Batch([5, 0, 7, 4], seed=3), LossConfig()
+    cu = torch.tensor([0, 5, 5, 12, 16])
+    token_adv = broadcast_to_tokens(batch.advantages, cu)
+    num_global = int(batch.mask.sum()) + 2
+    lp = (-torch.nn.functional.softplus(batch.features @ batch.theta)).requires_grad_(True)
+    inputs = LossInputs(batch.mask, batch.old, batch.behaviour, token_adv)
+    loss, diag = policy_loss(lp, inputs, cfg, num_global, batch.old)
+    ref_loss, ref = packed_policy_loss(
+        lp, batch.old, batch.behaviour, batch.advantages, cu, batch.mask, num_global, cfg
+    )
+    assert isinstance(diag, LossDiagnostics) and loss.item() == ref_loss.item()
+    for field in dataclasses.fields(LossDiagnostics):
+        got, want = getattr(diag, field.name), getattr(ref, field.name)
+        assert (got is None and want is None) or torch.equal(torch.as_tensor(got), torch.as_tensor(want))
+    (grad,) = torch.autograd.grad(loss, lp)
+    (ref_grad,) = torch.autograd.grad(ref_loss, lp)
+    assert torch.equal(grad, ref_grad)
+    assert set(diag.summed()) == {
+        "approx_kl", "clip_fraction", "dual_clip_fraction", "is_capped_fraction", "is_weight"
+    }  # fmt: skip
+    current, _ = policy_loss(lp, inputs, cfg, num_global)
+    explicit, _ = policy_loss(lp, inputs, cfg, num_global, lp.detach())
+    assert current.item() == explicit.item()
+    with pytest.raises(ValueError, match="1-D of shape"):
+        policy_loss(lp, LossInputs(batch.mask[:-1], batch.old, batch.behaviour, token_adv), cfg, num_global)
+    with pytest.raises(ValueError, match="num_global_action_tokens"):
+        policy_loss(lp, inputs, cfg, int(batch.mask.sum()) - 1)

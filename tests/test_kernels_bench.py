@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import subprocess
@@ -11,10 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollart_hpc.kernels import KernelTuning, fused_policy_loss, resolve_impl
+from rollart_hpc.kernels import KernelLossConfig, KernelTuning, fused_policy_loss, resolve_impl
 from rollart_hpc.kernels.policy_loss import IMPL_ENV
-
-from rollart_hpc.algo.loss import LossConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -57,13 +56,13 @@ def _args(nt: int = 8, nh: int = 16, nv: int = 20) -> tuple:
 def test_bad_inputs_are_named(impl: str) -> None:
     h, w, t, m, old, beh, adv = _args()
     with pytest.raises(ValueError, match="num_global_action_tokens"):
-        fused_policy_loss(h, w, t, m, old, beh, adv, 3, LossConfig(), impl=impl)
+        fused_policy_loss(h, w, t, m, old, beh, adv, 3, KernelLossConfig(), impl=impl)
     with pytest.raises(ValueError, match="hidden size differs"):
-        fused_policy_loss(h, w[:, :8], t, m, old, beh, adv, 8, LossConfig(), impl=impl)
+        fused_policy_loss(h, w[:, :8], t, m, old, beh, adv, 8, KernelLossConfig(), impl=impl)
     with pytest.raises(ValueError, match="targets must be"):
-        fused_policy_loss(h, w, t[:5], m, old, beh, adv, 8, LossConfig(), impl=impl)
+        fused_policy_loss(h, w, t[:5], m, old, beh, adv, 8, KernelLossConfig(), impl=impl)
     with pytest.raises(ValueError, match="advantages must be"):
-        fused_policy_loss(h, w, t, m, old, beh, adv[:5], 8, LossConfig(), impl=impl)
+        fused_policy_loss(h, w, t, m, old, beh, adv[:5], 8, KernelLossConfig(), impl=impl)
     with pytest.raises(ValueError, match="power of 2"):
         KernelTuning(block_v=48)
 
@@ -71,7 +70,34 @@ def test_bad_inputs_are_named(impl: str) -> None:
 def test_triton_rejects_float64() -> None:
     h, w, t, m, old, beh, adv = _args()
     with pytest.raises(ValueError, match="float64"):
-        fused_policy_loss(h.double(), w.double(), t, m, old, beh, adv, 8, LossConfig(), impl="triton")
+        fused_policy_loss(h.double(), w.double(), t, m, old, beh, adv, 8, KernelLossConfig(), impl="triton")
+
+
+def _package_imports(tree: ast.AST) -> list[str]:
+    """Absolute `rollart_hpc...` modules imported anywhere in a module (function-level imports too)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "kernels/ uses absolute imports (rollart_hpc.kernels.x)"
+            found += [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.append(arg.value)
+    return [name for name in found if name == "rollart_hpc" or name.startswith("rollart_hpc.")]
+
+
+def test_kernels_import_nothing_of_the_package_but_themselves(repo_root: Path) -> None:
+    files = sorted((repo_root / "kernels").rglob("*.py"))
+    assert len(files) >= 5
+    imports = {f.name: _package_imports(ast.parse(f.read_text(), str(f))) for f in files}
+    outside = {
+        name: [m for m in mods if not m.startswith("rollart_hpc.kernels.")] for name, mods in imports.items()
+    }
+    assert not any(outside.values()), outside
+    assert any(imports.values())  # the scan sees the kernels' own imports, so it could see others
 
 
 def test_bench_module_imports_nothing_heavy(python: str) -> None:
@@ -145,7 +171,9 @@ def test_gpu_real_vocab_parity_and_memory() -> None:
         old = torch.full((nt,), -12.0, device="cuda")
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        loss, logp, _ = fused_policy_loss(h, w, targets, mask, old, old, adv, nt, LossConfig(), impl=impl)
+        loss, logp, _ = fused_policy_loss(
+            h, w, targets, mask, old, old, adv, nt, KernelLossConfig(), impl=impl
+        )
         loss.backward()
         results[impl] = (loss.detach(), logp, h.grad, w.grad, torch.cuda.max_memory_allocated() - base)
     for got, ref in zip(results["triton"][:4], results["torch"][:4], strict=True):

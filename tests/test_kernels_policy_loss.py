@@ -11,7 +11,14 @@ import math
 
 import pytest
 import torch
-from rollart_hpc.kernels import KernelTuning, LossInputs, eager_policy_loss, fused_policy_loss, linear_logprob
+from rollart_hpc.kernels import (
+    KernelLossConfig,
+    KernelTuning,
+    LossInputs,
+    eager_policy_loss,
+    fused_policy_loss,
+    linear_logprob,
+)
 
 from rollart_hpc.algo.loss import LossConfig, broadcast_to_tokens, packed_policy_loss
 
@@ -68,7 +75,9 @@ def _problem(seed: int, nt: int, nh: int, nv: int, dtype: torch.dtype, scale: fl
     }
 
 
-def _fused(p: dict, impl: str, cfg: LossConfig, tuning: KernelTuning | None = None, entropy: bool = False):
+def _fused(
+    p: dict, impl: str, cfg: KernelLossConfig, tuning: KernelTuning | None = None, entropy: bool = False
+):
     hidden = p["hidden"].clone().requires_grad_(True)
     weight = p["weight"].clone().requires_grad_(True)
     loss, logp, diag = fused_policy_loss(
@@ -89,7 +98,7 @@ def _fused(p: dict, impl: str, cfg: LossConfig, tuning: KernelTuning | None = No
     return loss.detach(), logp, hidden.grad, weight.grad, diag
 
 
-def _float64_reference(p: dict, cfg: LossConfig):
+def _float64_reference(p: dict, cfg: KernelLossConfig):
     hidden = p["hidden"].double().requires_grad_(True)
     weight = p["weight"].double().requires_grad_(True)
     inputs = LossInputs(p["mask"], p["old"].double(), p["behaviour"].double(), p["adv"].double())
@@ -113,8 +122,8 @@ def test_parity_with_float64(impl: str, dtype: torch.dtype, case: tuple) -> None
     if impl == "torch" and tuning is not None:
         tuning = KernelTuning(token_chunk=tuning.token_chunk or 16)
     p = _problem(seed, nt, nh, nv, dtype)
-    got = _fused(p, impl, LossConfig(), tuning)
-    ref = _float64_reference(p, LossConfig())
+    got = _fused(p, impl, KernelLossConfig(), tuning)
+    ref = _float64_reference(p, KernelLossConfig())
     for name, g, r in zip(("loss", "logprobs", "d hidden", "d weight"), got[:4], ref, strict=True):
         assert g.dtype == (torch.float32 if name in ("loss", "logprobs") else dtype)
         assert _rel_err(g, r) <= TOL[dtype], (name, _rel_err(g, r))
@@ -134,12 +143,12 @@ def test_parity_with_float64(impl: str, dtype: torch.dtype, case: tuple) -> None
 def test_triton_equals_packed_policy_loss(cfg: LossConfig) -> None:
     """Loss, gradient and every diagnostic of the kernel equal the training reference on the same inputs."""
     p = _problem(7, 48, 16, 90, torch.float32)
-    loss, logp, grad_h, _, diag = _fused(p, "triton", cfg)
+    loss, logp, grad_h, _, diag = _fused(p, "triton", cfg.to_kernel())
     hidden = p["hidden"].double().requires_grad_(True)
     ref_logp = (
         torch.log_softmax(hidden @ p["weight"].double().T, 1).gather(1, p["targets"][:, None]).squeeze(1)
     )
-    ref = packed_policy_loss(
+    ref_loss, ref = packed_policy_loss(
         ref_logp,
         p["old"].double(),
         p["behaviour"].double(),
@@ -149,13 +158,14 @@ def test_triton_equals_packed_policy_loss(cfg: LossConfig) -> None:
         p["denom"],
         cfg,
     )
-    ref.loss.backward()
-    assert _rel_err(loss, ref.loss) <= 1e-5 and _rel_err(grad_h, hidden.grad) <= 1e-4
+    ref_loss.backward()
+    assert _rel_err(loss, ref_loss) <= 1e-5 and _rel_err(grad_h, hidden.grad) <= 1e-4
     for name in (
         "approx_kl",
         "clip_fraction",
         "dual_clip_fraction",
         "is_capped_fraction",
+        "is_weight",
         "max_abs_advantage",
     ):
         torch.testing.assert_close(
@@ -169,16 +179,16 @@ def test_triton_equals_packed_policy_loss(cfg: LossConfig) -> None:
 def test_masked_tokens_contribute_nothing(impl: str) -> None:
     """Garbage (inf, NaN) in masked positions changes nothing; their hidden rows get zero gradient."""
     p = _problem(11, 40, 16, 70, torch.float32)
-    clean = _fused(p, impl, LossConfig())
+    clean = _fused(p, impl, KernelLossConfig())
     off = ~p["mask"]
     for key, value in (("old", math.inf), ("behaviour", -math.inf), ("adv", math.nan)):
         p[key] = torch.where(off, torch.full_like(p[key], value), p[key])
-    dirty = _fused(p, impl, LossConfig())
+    dirty = _fused(p, impl, KernelLossConfig())
     for c, d in zip(clean[:4], dirty[:4], strict=True):
         torch.testing.assert_close(c, d, rtol=0, atol=0)
     assert bool((dirty[2][off] == 0).all()) and bool(torch.isfinite(dirty[3]).all())
     only_masked = dict(p, mask=torch.zeros_like(p["mask"]))
-    loss, _, grad_h, grad_w, diag = _fused(only_masked, impl, LossConfig())
+    loss, _, grad_h, grad_w, diag = _fused(only_masked, impl, KernelLossConfig())
     assert float(loss) == 0.0 and not grad_h.any() and not grad_w.any() and diag.num_action_tokens == 0
 
 
@@ -188,7 +198,7 @@ def test_extreme_logits_stay_finite(impl: str) -> None:
     p = _problem(13, 32, 16, 50, torch.float32, scale=2000.0)
     p["old"] = torch.full_like(p["old"], -3.0)
     p["behaviour"] = torch.full_like(p["behaviour"], -3.0)
-    loss, logp, grad_h, grad_w, diag = _fused(p, impl, LossConfig(), entropy=True)
+    loss, logp, grad_h, grad_w, diag = _fused(p, impl, KernelLossConfig(), entropy=True)
     for t in (loss, logp, grad_h, grad_w, diag.token_entropy, diag.approx_kl):
         assert bool(torch.isfinite(t).all())
     assert bool((logp <= 0).all()) and float(logp.min()) < -1000
@@ -197,8 +207,8 @@ def test_extreme_logits_stay_finite(impl: str) -> None:
 
 def test_entropy_matches_softmax_entropy() -> None:
     p = _problem(17, 48, 32, 99, torch.float32)
-    _, _, _, _, fused = _fused(p, "triton", LossConfig(), SMALL_TILES, entropy=True)
-    _, _, _, _, torch_ref = _fused(p, "torch", LossConfig(), entropy=True)
+    _, _, _, _, fused = _fused(p, "triton", KernelLossConfig(), SMALL_TILES, entropy=True)
+    _, _, _, _, torch_ref = _fused(p, "torch", KernelLossConfig(), entropy=True)
     logits = p["hidden"].double() @ p["weight"].double().T
     expected = -(torch.softmax(logits, 1) * torch.log_softmax(logits, 1)).sum(1)
     assert (
@@ -212,14 +222,14 @@ def test_entropy_matches_softmax_entropy() -> None:
 def test_micro_batches_sum_to_the_batch() -> None:
     """With the global denominator, losses and gradients of two halves add up to those of the whole."""
     p = _problem(19, 48, 16, 60, torch.float32)
-    whole = _fused(p, "triton", LossConfig())
+    whole = _fused(p, "triton", KernelLossConfig())
     halves = []
     for sl in (slice(0, 20), slice(20, 48)):
         part = {
             k: (v[sl] if k in ("hidden", "targets", "mask", "old", "behaviour", "adv") else v)
             for k, v in p.items()
         }
-        halves.append(_fused(part, "triton", LossConfig()))
+        halves.append(_fused(part, "triton", KernelLossConfig()))
     torch.testing.assert_close(halves[0][0] + halves[1][0], whole[0], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(torch.cat([halves[0][2], halves[1][2]]), whole[2], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(halves[0][3] + halves[1][3], whole[3], rtol=1e-5, atol=1e-7)
@@ -241,3 +251,31 @@ def test_linear_logprob_gradient_for_any_upstream(impl: str) -> None:
     (ref * upstream).sum().backward()
     assert _rel_err(logp, ref) <= 1e-5
     assert _rel_err(hidden.grad, h64.grad) <= 1e-4 and _rel_err(weight.grad, w64.grad) <= 1e-4
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_policy_loss_entry_point_selects_the_fused_path(impl: str) -> None:
+    """`algo.loss.policy_loss` on LMHeadInputs (fused) equals it on the token log-probs (torch reference)."""
+    from rollart_hpc.algo.loss import LMHeadInputs, policy_loss
+
+    p = _problem(29, 40, 16, 70, torch.float32)
+    batch = LossInputs(p["mask"], p["old"], p["behaviour"], p["adv"])
+    cfg = LossConfig(dual_clip_c=3.0)
+    hidden = p["hidden"].clone().requires_grad_(True)
+    source = LMHeadInputs(hidden, p["weight"], p["targets"], impl=impl, with_entropy=True)
+    loss, diag = policy_loss(source, batch, cfg, p["denom"], p["old"])
+    loss.backward()
+    h64 = p["hidden"].double().requires_grad_(True)
+    logp = torch.log_softmax(h64 @ p["weight"].double().T, 1).gather(1, p["targets"][:, None]).squeeze(1)
+    ref_loss, ref = policy_loss(logp, batch, cfg, p["denom"], p["old"].double())
+    ref_loss.backward()
+    assert _rel_err(loss, ref_loss) <= 1e-5 and _rel_err(hidden.grad, h64.grad) <= 1e-4
+    for name in ("approx_kl", "clip_fraction", "is_capped_fraction", "is_weight", "max_abs_advantage"):
+        torch.testing.assert_close(
+            getattr(diag, name).double(), getattr(ref, name).double(), atol=1e-6, rtol=1e-4
+        )
+    assert diag.entropy is not None and ref.entropy is None
+    # old_logprobs=None: the proximal policy is the current one, so every ratio is 1 and nothing is clipped
+    current, diag_now = policy_loss(source, batch, cfg, p["denom"])
+    assert float(diag_now.clip_fraction) == 0.0 and abs(float(diag_now.approx_kl)) < 1e-6
+    assert torch.isfinite(current)

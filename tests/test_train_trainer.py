@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollart_hpc.algo.loss import LossConfig
+from rollart_hpc.algo.loss import LossConfig, packed_policy_loss
 from rollart_hpc.train.batch import PackedBatch, from_sequences, micro_batch_groups, select
 from rollart_hpc.train.config import OptimConfig, TrainerConfig
 from rollart_hpc.train.trainer import Trainer
@@ -127,6 +127,36 @@ def test_gradients_do_not_depend_on_the_micro_batch_split(model_dir: Path) -> No
     torch.testing.assert_close(split.grad_buffer, whole.grad_buffer, rtol=1e-5, atol=1e-7)
     assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5)
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+
+
+def test_rl_step_reports_the_algorithm_library_loss_and_diagnostics(model_dir: Path) -> None:
+    """The trainer's micro-batched step reports what `algo.loss.packed_policy_loss` gives on the same
+    log-probs (proximal = current), behaviour log-probs, per-trajectory advantages and denominator."""
+    trainer = _trainer(model_dir, micro_batch_tokens=30)
+    advantages = [1.0, -0.5, 0.3, 2.0, -1.0]
+    batch = _batch(trainer.config.vocab_size, [20, 26, 14, 9, 11], advantages, seed=7)
+    logprobs = trainer.logprobs(batch)
+    shift = torch.linspace(-1.2, 0.4, batch.num_tokens)  # some behaviour weights above is_cap = 2
+    batch = _with_behaviour(batch, logprobs + shift)
+    assert len(micro_batch_groups(batch, 30)) >= 3
+    num_global = batch.num_action_tokens + 3
+    cfg = LossConfig(clip_high=0.3, is_cap=1.5)
+    metrics = trainer.rl_step(batch, num_global, cfg)
+    loss, ref = packed_policy_loss(
+        logprobs,
+        logprobs,
+        batch.behaviour_logprobs,
+        torch.tensor(advantages),
+        batch.cu_seqlens,
+        batch.action_mask,
+        num_global,
+        cfg,
+    )
+    assert metrics["loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert float(ref.is_capped_fraction) > 0 and float(ref.is_weight) > 0
+    for name, value in ref.summed().items():
+        assert metrics[name] == pytest.approx(float(value), rel=1e-5, abs=1e-7), name
+    assert set(metrics) == {*ref.summed(), "loss", "grad_norm", "num_tokens", "num_action_tokens", "step"}
 
 
 def _params(trainer: Trainer) -> list[torch.Tensor]:

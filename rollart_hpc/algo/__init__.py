@@ -35,11 +35,15 @@ from rollart_hpc.algo.tracker import (
 )
 
 LOSS_EXPORTS = (
+    "SUMMED_DIAGNOSTICS",
+    "LMHeadInputs",
+    "LossBatch",
     "LossConfig",
-    "PolicyLossOutput",
+    "LossDiagnostics",
     "TokenTerms",
     "broadcast_to_tokens",
     "packed_policy_loss",
+    "policy_loss",
     "ppo_token_terms",
 )
 

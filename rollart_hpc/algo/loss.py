@@ -1,33 +1,55 @@
-"""Token-mean PPO-clip policy loss over packed sequences: the torch reference (a Triton kernel must match it).
+"""SPO++ policy loss: the algorithm's config and `policy_loss`, the one entry point the trainer calls.
 
-Inputs are flat per-token tensors [T] of B packed trajectories, delimited by `cu_seqlens` [B + 1]
-(cu_seqlens[0] = 0, cu_seqlens[-1] = T), and an action mask [T] that is 1 on generated action tokens and 0
-on prompt, observation and padding tokens. `ppo_token_terms` holds all per-token math, elementwise:
+    policy_loss(source, batch, cfg, num_global_action_tokens, old_logprobs=None) -> (loss, LossDiagnostics)
 
-    ratio   = exp(clamp(logp - old, +-clamp))                              (0 where mask = 0)
-    pg      = max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high))
-    pg      = min(pg, -c A)   where A < 0                                   (negative dual-clip, c > 1)
-    w       = min(exp(old - behaviour), cap)                                (truncated IS, SPO++ / verl)
-            | exp(old - behaviour), or 0 where it exceeds cap               (decoupled PPO, AReaL)
-    loss_t  = mask * w * pg
+The per-token math (`ppo_token_terms`, formulas in `rollart_hpc.kernels.token_loss`) and the reduction
+(sum, divide by the global action-token count of the optimizer step across micro-batches and DP ranks,
+diagnostics) exist once, in the kernels' torch reference; this module converts `LossConfig` to the
+kernels' `KernelLossConfig` and picks the implementation by the type of `source`:
 
-`old` is the proximal policy (trainer log-probs at the start of the optimizer step) and `behaviour` the
-log-probs the rollout engine sampled with; both, and A, are constants (no gradient). Masked positions are
-zeroed *before* the exp, so garbage there (inf, NaN, huge log-ratios) never reaches the loss or gradients.
+- token log-probs [T] with gradient: the torch reference (the trainer's path: its model computes the
+  log-probs, then `ppo_token_terms` runs in torch);
+- `LMHeadInputs` (final hidden states [T, H], LM-head weight [V, H], targets [T]): the fused kernel
+  `rollart_hpc.kernels.fused_token_terms`, which never materialises the [T, V] logits. The trainer does
+  not use it yet: it plugs in where `Trainer._token_logprobs` runs the Megatron model, which would have
+  to return the hidden states before the output layer and that layer's weight instead of log-probs.
 
-`packed_policy_loss` divides the summed per-token loss by `num_global_action_tokens`, the action-token count
-of the whole optimizer step across micro-batches and data-parallel ranks. Invariant: summing the outputs
-of any split of a batch (micro-batches, ranks) gives the loss and gradients of the whole batch; DP
-gradients must therefore be summed across ranks (or the loss scaled by the DP size when the wrapper
-averages). Diagnostics carry the same normalisation, so they sum to global means; max |A| reduces by max.
+Both feed the same `reduce_token_terms`, so loss and diagnostics mean the same on either path.
+Invariant: summing the outputs of any split of a batch (micro-batches, ranks) gives the loss and
+gradients of the whole batch; DP gradients must therefore be summed across ranks (or the loss scaled by
+the DP size when the wrapper averages). Diagnostics sum to global means; max |A| reduces by max.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Protocol
 
 import torch
+
+from rollart_hpc.config.schema import AlgoConfig
+from rollart_hpc.kernels.common import KernelLossConfig, KernelTuning, LossInputs
+from rollart_hpc.kernels.policy_loss import fused_token_terms, linear_logprob
+from rollart_hpc.kernels.token_loss import (
+    SUMMED_DIAGNOSTICS,
+    LossDiagnostics,
+    TokenTerms,
+    reduce_token_terms,
+)
+from rollart_hpc.kernels.token_loss import ppo_token_terms as _kernel_token_terms
+
+__all__ = [
+    "SUMMED_DIAGNOSTICS",
+    "LMHeadInputs",
+    "LossBatch",
+    "LossConfig",
+    "LossDiagnostics",
+    "TokenTerms",
+    "broadcast_to_tokens",
+    "packed_policy_loss",
+    "policy_loss",
+    "ppo_token_terms",
+]
 
 
 @dataclass(frozen=True)
@@ -49,42 +71,57 @@ class LossConfig:
     decoupled: bool = False
     log_ratio_clamp: float = 20.0
 
+    @classmethod
+    def from_config(cls, algo: AlgoConfig) -> LossConfig:
+        """The run's loss: clip range, dual clip and importance cap from the `algo` sub-config."""
+        return cls(
+            clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip_c=algo.dual_clip_c, is_cap=algo.is_cap
+        )
+
     def __post_init__(self) -> None:
-        if not (0 < self.clip_low < 1 and self.clip_high > 0):
-            raise ValueError(
-                f"need 0 < clip_low < 1 and clip_high > 0, got {self.clip_low}, {self.clip_high}"
-            )
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
-        if self.is_cap is not None and self.is_cap <= 0:
-            raise ValueError(f"is_cap must be > 0, got {self.is_cap}")
-        if self.decoupled and self.is_cap is None:
-            raise ValueError("decoupled PPO filters tokens by is_cap, so it needs one")
-        if self.log_ratio_clamp <= 0:
-            raise ValueError(f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+        self.to_kernel()  # the kernel config validates the values (ValueError)
+
+    def to_kernel(self) -> KernelLossConfig:
+        """The same parameters as the kernels' config type."""
+        return KernelLossConfig(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip_c=self.dual_clip_c,
+            is_cap=self.is_cap,
+            decoupled=self.decoupled,
+            log_ratio_clamp=self.log_ratio_clamp,
+        )
 
 
-class TokenTerms(NamedTuple):
-    """Per-token outputs [T]; every entry is 0 where the action mask is 0."""
+class LossBatch(Protocol):
+    """The per-token constants of the loss, each [T] (`rollart_hpc.train.batch.PackedBatch` is one).
 
-    loss: torch.Tensor  # w * pg; the only term with a gradient (w.r.t. logprobs)
-    is_weight: torch.Tensor  # behaviour importance weight applied
-    clipped: torch.Tensor  # 1 where the PPO clip is the active branch
-    dual_clipped: torch.Tensor  # 1 where the dual-clip cap -c*A is the active branch
-    is_capped: torch.Tensor  # 1 where the behaviour weight exceeded is_cap (truncated or dropped)
-    approx_kl: torch.Tensor  # k3 estimate of KL(old || new): ratio - 1 - log ratio
+    `advantages` are per token (0 off the action tokens); `action_mask` is 1 on action tokens."""
+
+    @property
+    def action_mask(self) -> torch.Tensor: ...
+
+    @property
+    def behaviour_logprobs(self) -> torch.Tensor: ...
+
+    @property
+    def advantages(self) -> torch.Tensor: ...
 
 
-def _behaviour_weight(
-    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    log_w = torch.where(mask, old_logprobs - behaviour_logprobs, 0.0)
-    w = torch.exp(log_w.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)).detach()
-    if cfg.is_cap is None:
-        return w, torch.zeros_like(w)
-    capped = w > cfg.is_cap
-    w = torch.where(capped, 0.0, w) if cfg.decoupled else w.clamp(max=cfg.is_cap)
-    return w, capped.to(w.dtype)
+@dataclass(frozen=True)
+class LMHeadInputs:
+    """The fused path's source: final hidden states [T, H], LM-head weight [V, H] and target ids [T].
+
+    impl: kernel implementation, auto | triton | torch (see `rollart_hpc.kernels.resolve_impl`).
+    with_entropy: also report the action-token entropy (`LossDiagnostics.entropy`, `token_entropy`).
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor
+    impl: str = "auto"
+    with_entropy: bool = False
+    tuning: KernelTuning | None = None
 
 
 def ppo_token_terms(
@@ -95,32 +132,74 @@ def ppo_token_terms(
     action_mask: torch.Tensor,
     cfg: LossConfig,
 ) -> TokenTerms:
-    """Per-token PPO terms over flat [T] tensors; see the module docstring for the formulas."""
-    mask = action_mask.bool()
-    old = old_logprobs.detach()
-    adv = torch.where(mask, advantages.detach(), 0.0)
-    log_ratio = torch.where(mask, logprobs - old, 0.0).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-    ratio = torch.exp(log_ratio)
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    clipped = pg_clipped > pg_unclipped
-    dual = torch.zeros_like(clipped)
-    if cfg.dual_clip_c is not None:
-        cap = -cfg.dual_clip_c * adv
-        dual = (adv < 0) & (cap < pg)
-        pg = torch.where(dual, cap, pg)
-    w, is_capped = _behaviour_weight(old, behaviour_logprobs.detach(), mask, cfg)
-    zero = torch.zeros_like(pg)
-    kl = (ratio.detach() - 1.0) - log_ratio.detach()
-    return TokenTerms(
-        loss=torch.where(mask, w * pg, zero),
-        is_weight=torch.where(mask, w, zero),
-        clipped=(clipped & mask).to(pg.dtype),
-        dual_clipped=(dual & mask).to(pg.dtype),
-        is_capped=torch.where(mask, is_capped, zero),
-        approx_kl=torch.where(mask, kl, zero),
+    """Per-token PPO terms over flat [T] tensors (`rollart_hpc.kernels.token_loss.ppo_token_terms`)."""
+    return _kernel_token_terms(
+        logprobs, old_logprobs, behaviour_logprobs, advantages, action_mask, cfg.to_kernel()
     )
+
+
+def _check_token_shapes(logprobs: torch.Tensor, *others: torch.Tensor) -> None:
+    if logprobs.dim() != 1 or any(t.shape != logprobs.shape for t in others):
+        raise ValueError(f"per-token inputs must all be 1-D of shape {tuple(logprobs.shape)}")
+
+
+def _token_inputs(batch: LossBatch, old_logprobs: torch.Tensor, device: torch.device) -> LossInputs:
+    return LossInputs(
+        batch.action_mask.to(device),
+        old_logprobs.to(device),
+        batch.behaviour_logprobs.to(device),
+        batch.advantages.to(device),
+    )
+
+
+def _fused_terms(
+    source: LMHeadInputs, batch: LossBatch, cfg: LossConfig, old_logprobs: torch.Tensor | None
+) -> tuple[LossInputs, TokenTerms, torch.Tensor | None]:
+    if old_logprobs is None:
+        with torch.no_grad():
+            old_logprobs = linear_logprob(
+                source.hidden, source.weight, source.targets, source.impl, source.tuning
+            )
+    inputs = _token_inputs(batch, old_logprobs, source.hidden.device)
+    fused = fused_token_terms(
+        source.hidden,
+        source.weight,
+        source.targets,
+        inputs,
+        cfg.to_kernel(),
+        source.impl,
+        source.with_entropy,
+        source.tuning,
+    )
+    return inputs, fused.terms, fused.entropy
+
+
+def policy_loss(
+    source: torch.Tensor | LMHeadInputs,
+    batch: LossBatch,
+    cfg: LossConfig,
+    num_global_action_tokens: int,
+    old_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossDiagnostics]:
+    """Token-mean SPO++ loss of one micro-batch and its diagnostics, both divided by the global count.
+
+    source: the current policy's token log-probs [T] with gradient (torch reference), or `LMHeadInputs`
+        (fused kernel; the gradient flows to hidden states and LM-head weight).
+    batch: behaviour log-probs, per-token advantages and action mask [T]; moved to the source's device.
+    old_logprobs: the proximal policy's log-probs [T]; None takes the current ones, detached (one
+        optimizer step per batch: the ratio is 1 at the step's start).
+    """
+    if isinstance(source, LMHeadInputs):
+        inputs, terms, entropy = _fused_terms(source, batch, cfg, old_logprobs)
+    else:
+        old = source.detach() if old_logprobs is None else old_logprobs
+        inputs = _token_inputs(batch, old, source.device)
+        _check_token_shapes(source, *inputs)
+        terms = ppo_token_terms(
+            source, inputs.old_logprobs, inputs.behaviour_logprobs, inputs.advantages, inputs.action_mask, cfg
+        )
+        entropy = None
+    return reduce_token_terms(terms, inputs.action_mask, inputs.advantages, num_global_action_tokens, entropy)
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -144,23 +223,6 @@ def broadcast_to_tokens(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch
     return torch.repeat_interleave(values, lengths.to(device=values.device, dtype=torch.long))
 
 
-@dataclass(frozen=True)
-class PolicyLossOutput:
-    """Loss and diagnostics of one micro-batch, each already divided by the global action-token count.
-
-    Sum `loss` and the fractions over micro-batches and ranks to get the step's values; take the max of
-    `max_abs_advantage`. Diagnostics are detached.
-    """
-
-    loss: torch.Tensor
-    approx_kl: torch.Tensor
-    clip_fraction: torch.Tensor
-    dual_clip_fraction: torch.Tensor
-    is_capped_fraction: torch.Tensor
-    max_abs_advantage: torch.Tensor
-    num_action_tokens: int
-
-
 def packed_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -170,27 +232,11 @@ def packed_policy_loss(
     action_mask: torch.Tensor,
     num_global_action_tokens: int,
     cfg: LossConfig,
-) -> PolicyLossOutput:
-    """Token-mean PPO loss of packed trajectories; `advantages` is per trajectory [B], broadcast to tokens."""
-    flat = (logprobs, old_logprobs, behaviour_logprobs, action_mask)
-    if any(t.dim() != 1 or t.shape != logprobs.shape for t in flat):
-        raise ValueError(f"per-token inputs must all be 1-D of shape {tuple(logprobs.shape)}")
+) -> tuple[torch.Tensor, LossDiagnostics]:
+    """`policy_loss` of packed trajectories delimited by `cu_seqlens` [B + 1] (0 to T, non-decreasing),
+    with `advantages` per trajectory [B], broadcast to their tokens."""
+    _check_token_shapes(logprobs, old_logprobs, behaviour_logprobs, action_mask)
     _check_cu_seqlens(cu_seqlens, logprobs.shape[0])
-    num_local = int(action_mask.bool().sum())
-    if num_global_action_tokens < max(num_local, 1):
-        raise ValueError(
-            f"num_global_action_tokens {num_global_action_tokens} < this batch's {num_local} (or 0)"
-        )
     token_adv = broadcast_to_tokens(advantages.to(logprobs.dtype), cu_seqlens)
-    terms = ppo_token_terms(logprobs, old_logprobs, behaviour_logprobs, token_adv, action_mask, cfg)
-    denom = float(num_global_action_tokens)
-    masked_adv = torch.where(action_mask.bool(), token_adv.abs(), 0.0)
-    return PolicyLossOutput(
-        loss=terms.loss.sum() / denom,
-        approx_kl=terms.approx_kl.sum().detach() / denom,
-        clip_fraction=terms.clipped.sum() / denom,
-        dual_clip_fraction=terms.dual_clipped.sum() / denom,
-        is_capped_fraction=terms.is_capped.sum() / denom,
-        max_abs_advantage=masked_adv.max().detach() if masked_adv.numel() else masked_adv.sum(),
-        num_action_tokens=num_local,
-    )
+    batch = LossInputs(action_mask, old_logprobs, behaviour_logprobs, token_adv)
+    return policy_loss(logprobs, batch, cfg, num_global_action_tokens, old_logprobs)

@@ -108,7 +108,7 @@ def _make_inputs(spec: dict[str, Any], impl: str, seed: int) -> dict[str, Any]:
 
 
 def _fused_step(data: dict[str, Any], impl: str) -> Callable[[], tuple[Any, ...]]:
-    from rollart_hpc.algo.loss import LossConfig
+    from rollart_hpc.kernels.common import KernelLossConfig
     from rollart_hpc.kernels.policy_loss import fused_policy_loss
 
     def step() -> tuple[Any, ...]:
@@ -123,7 +123,7 @@ def _fused_step(data: dict[str, Any], impl: str) -> Callable[[], tuple[Any, ...]
             data["behaviour_logprobs"],
             data["advantages"],
             data["targets"].numel(),
-            LossConfig(),
+            KernelLossConfig(),
             impl=impl,
         )
         loss.backward()
@@ -133,8 +133,7 @@ def _fused_step(data: dict[str, Any], impl: str) -> Callable[[], tuple[Any, ...]
 
 
 def _eager_step(data: dict[str, Any], dtype: Any = None) -> Callable[[], tuple[Any, ...]]:
-    from rollart_hpc.algo.loss import LossConfig
-    from rollart_hpc.kernels.common import LossInputs
+    from rollart_hpc.kernels.common import KernelLossConfig, LossInputs
     from rollart_hpc.kernels.lm_head_reference import eager_policy_loss
 
     def step() -> tuple[Any, ...]:
@@ -144,7 +143,7 @@ def _eager_step(data: dict[str, Any], dtype: Any = None) -> Callable[[], tuple[A
             data["action_mask"], data["old_logprobs"], data["behaviour_logprobs"], data["advantages"]
         )
         loss, logp = eager_policy_loss(
-            hidden, weight, data["targets"], inputs, data["targets"].numel(), LossConfig()
+            hidden, weight, data["targets"], inputs, data["targets"].numel(), KernelLossConfig()
         )
         loss.backward()
         return loss.detach(), logp, hidden.grad, weight.grad

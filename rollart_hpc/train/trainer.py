@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from rollart_hpc.models.config import ModelConfig
+from rollart_hpc.algo.loss import SUMMED_DIAGNOSTICS, LossConfig, policy_loss
 from rollart_hpc.contracts.atomic import atomic_write_json
+from rollart_hpc.models.config import ModelConfig
 from rollart_hpc.train import checkpoint, comm
 from rollart_hpc.train.batch import (
     PackedBatch,
@@ -40,7 +41,7 @@ from rollart_hpc.train.model import ensure_model_parallel, gpt_from_hf
 
 HF_WEIGHTS = "model.safetensors"
 HF_MARKER = "COMPLETE"
-RL_METRICS = ("approx_kl", "clip_fraction", "dual_clip_fraction", "is_capped_fraction", "is_weight")
+RL_METRICS = SUMMED_DIAGNOSTICS  # the policy-loss diagnostics the RL step reports (summed over ranks)
 # Per-micro-batch loss: (micro-batch, its per-token log-probs [T] with grad) -> (loss, metric sums).
 LossFn = Callable[[PackedBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -167,34 +168,19 @@ class Trainer:
 
         return self._run_step(batch, nll, ())
 
-    def rl_step(self, batch: PackedBatch, num_global_action_tokens: int, loss_cfg: Any) -> dict[str, float]:
-        """One AdamW step on the SPO++ policy loss (`rollart_hpc.algo.loss`, config `loss_cfg`).
+    def rl_step(
+        self, batch: PackedBatch, num_global_action_tokens: int, loss_cfg: LossConfig
+    ) -> dict[str, float]:
+        """One AdamW step on the SPO++ policy loss (`rollart_hpc.algo.loss.policy_loss`, config `loss_cfg`).
 
         Proximal (old) log-probs are the current ones, detached: one optimizer step per batch. Metrics
         are global token means: loss, approx_kl, clip_fraction, dual_clip_fraction, is_capped_fraction,
         is_weight, plus grad_norm, num_tokens, num_action_tokens and step."""
-        from rollart_hpc.algo.loss import ppo_token_terms
-
         _check_denominator(num_global_action_tokens, batch)
-        denom = float(num_global_action_tokens)
 
         def spo(micro: PackedBatch, lp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            terms = ppo_token_terms(
-                lp,
-                lp.detach(),
-                micro.behaviour_logprobs.to(self.device),
-                micro.advantages.to(self.device),
-                micro.action_mask.to(self.device),
-                loss_cfg,
-            )
-            parts = {
-                "approx_kl": terms.approx_kl.sum() / denom,
-                "clip_fraction": terms.clipped.sum() / denom,
-                "dual_clip_fraction": terms.dual_clipped.sum() / denom,
-                "is_capped_fraction": terms.is_capped.sum() / denom,
-                "is_weight": terms.is_weight.sum() / denom,
-            }
-            return terms.loss.sum() / denom, parts
+            loss, diagnostics = policy_loss(lp, micro, loss_cfg, num_global_action_tokens)
+            return loss, diagnostics.summed()
 
         return self._run_step(batch, spo, RL_METRICS)
 
