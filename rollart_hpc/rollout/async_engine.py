@@ -1,4 +1,4 @@
-"""An asyncio front for `LLMEngine` implementing the `LLMClient` protocol.
+"""An asyncio front for an `Engine` (`rollart_hpc.rollout.api`) implementing the `LLMClient` protocol.
 
 Dataflow: callers on an event loop `await generate(...)`; the call registers a future (on the loop's
 thread only) and puts an "add" command on a thread-safe queue. One background thread owns the engine:
@@ -23,14 +23,14 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from rollart_hpc.rollout.engine import LLMEngine
+from rollart_hpc.rollout.api import Engine
 from rollart_hpc.rollout.types import RequestOutput, SamplingParams
 
 
 class AsyncEngine:
-    """Steps an `LLMEngine` in a background thread; `generate` and `abort` are awaitable."""
+    """Steps an `Engine` in a background thread; `generate` and `abort` are awaitable."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._commands: deque[tuple[str, tuple[Any, ...]]] = deque()
         self._wake = threading.Condition()

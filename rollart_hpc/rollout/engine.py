@@ -1,4 +1,5 @@
-"""The built-in continuous-batching engine (vLLM-shaped): add_request / abort / step / update_weights.
+"""The built-in continuous-batching engine (vLLM-shaped; satisfies `rollart_hpc.rollout.api.Engine`):
+add_request / abort / step / update_weights / close.
 
 Dataflow. `add_request` queues a request; each `step()`:
 1. swaps in staged weights, if any (the only place the active snapshot changes);
@@ -177,6 +178,9 @@ class LLMEngine:
             packed = pack_weights(self.config, merged, self.dtype, self.linear_backend)
             with self._stage_lock:
                 self._staged = (packed, version)
+
+    def close(self) -> None:
+        """Nothing to release (no threads, processes or shared buffers); part of the `Engine` contract."""
 
     def weights(self) -> dict[str, torch.Tensor]:
         """HF-named views of the active weights (read-only use)."""

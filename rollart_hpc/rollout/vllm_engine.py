@@ -1,5 +1,6 @@
-"""vLLM 0.32 (AsyncLLM) behind the built-in engine's synchronous contract: add_request / abort / step /
-update_weights / version, so the rollout rank loop (`rollart_hpc.rollout.main.serve`) drives either engine.
+"""vLLM 0.32 (AsyncLLM) behind the synchronous engine contract (`rollart_hpc.rollout.api.Engine`):
+add_request / abort / step / update_weights / version / close, so the rollout rank loop
+(`rollart_hpc.rollout.main.serve`) drives either engine.
 
 Threads and processes. The caller's thread (the rank loop) calls add_request/abort/step; the weight
 thread calls update_weights; one private thread runs an asyncio loop that owns the `AsyncLLM` frontend,

@@ -1,2 +1,3 @@
-"""Weight sync from the publishing trainer to rollout ranks: standalone process group, static bucket
-layout, asynchronous bucketed broadcast (see `publisher.py` for the protocol)."""
+"""Weight sync from the publishing trainer to rollout ranks: the transport interface and its
+implementations (`transport.py`), over a standalone process group with a static bucket layout and an
+asynchronous bucketed broadcast (`group.py`, `buckets.py`, `publisher.py` for the protocol)."""

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from rollart_hpc.cluster.world import World
 from rollart_hpc.contracts.errors import PeerTimeoutError, UsageError
+from rollart_hpc.contracts.protocol import Tag
 
-TAG_GROUP = 9101
 Backend = Literal["gloo", "nccl"]
 
 
@@ -128,15 +128,15 @@ def make_standalone_group(
 def _rendezvous_store(world: World, member_ranks: list[int], timeout: dt.timedelta) -> Any:
     first = member_ranks[0]
     if world.rank != first:
-        world.send(world.env.node_name, first, TAG_GROUP)
-        host, port = world.recv(first, TAG_GROUP)
+        world.send(world.env.node_name, first, Tag.WEIGHTS_GROUP)
+        host, port = world.recv(first, Tag.WEIGHTS_GROUP)
         return dist.TCPStore(host, port, len(member_ranks), False, timeout, wait_for_workers=False)
-    nodes = [world.recv(peer, TAG_GROUP) for peer in member_ranks[1:]]
+    nodes = [world.recv(peer, Tag.WEIGHTS_GROUP) for peer in member_ranks[1:]]
     same_node = all(n == world.env.node_name for n in nodes)
     host = "127.0.0.1" if same_node else socket.gethostbyname(socket.gethostname())
     server = dist.TCPStore(host, 0, len(member_ranks), True, timeout, wait_for_workers=False)
     for peer in member_ranks[1:]:
-        world.send((host, int(server.port)), peer, TAG_GROUP)
+        world.send((host, int(server.port)), peer, Tag.WEIGHTS_GROUP)
     return server
 
 

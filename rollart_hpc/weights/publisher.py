@@ -17,9 +17,10 @@ Dataflow of one version (round r, counted from 1 on every member):
 Errors: a publisher-side failure (timeout naming the silent receiver, checksum broadcast) is kept by the
 background thread and raised by the next `publish()` or `wait()`. After any error the group is broken.
 
-The MPI notification ("version n is coming") is not part of these classes: the lead sends it before
-both sides enter the broadcast, e.g. with `rollart_hpc.weights.notify`. Publisher and receivers must be
-built in the same order on every member (both constructors are collective: they share the layout).
+The notification ("version n is coming") is not part of these classes: `rollart_hpc.weights.transport`
+wraps them with it (`GroupWeightSender` announces each version before its broadcast). Publisher and
+receivers must be built in the same order on every member (both constructors are collective: they share
+the layout).
 """
 
 from __future__ import annotations

@@ -5,13 +5,13 @@ on its own group; the silent-receiver check breaks its group, so it runs last); 
 rank-<r>.json with one entry per check.
 """
 
-import hashlib
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+from weights_contract import model, receive_versions, send_versions
 
 from rollart_hpc.cluster.env import read_process_env
 from rollart_hpc.cluster.plan import RoleRange, RunPlan
@@ -19,62 +19,27 @@ from rollart_hpc.cluster.world import make_world
 from rollart_hpc.contracts.errors import PeerTimeoutError
 from rollart_hpc.weights.buckets import layout_for
 from rollart_hpc.weights.group import make_standalone_group
-from rollart_hpc.weights.notify import announce, poll_announcement
 from rollart_hpc.weights.publisher import WeightPublisher, WeightReceiver
+from rollart_hpc.weights.transport import GroupWeightReceiver, GroupWeightSender, announce_to
 
 TAG_DONE = 77
-
-
-def model(version: int) -> dict[str, torch.Tensor]:
-    """Mixed dtypes and shapes, a scalar, an empty tensor and one tensor larger than the small buckets."""
-    g = torch.Generator().manual_seed(1000 + version)
-    return {
-        "model.embed_tokens.weight": torch.randn(300, 64, generator=g),
-        "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16),
-        "model.layers.0.input_layernorm.weight": torch.randn(64, generator=g).to(torch.float16),
-        "model.layers.0.mlp.counter": torch.randint(0, 1 << 40, (7,), generator=g),
-        "model.layers.0.mask": torch.rand(13, generator=g) > 0.5,
-        "model.scale": torch.randn((), generator=g),
-        "model.empty": torch.empty(0, 5),
-        "lm_head.weight": torch.randn(3, 1, 11, generator=g, dtype=torch.float64),
-    }
-
-
-def digest(named) -> dict[str, str]:
-    return {
-        n: hashlib.sha256(
-            t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        ).hexdigest()
-        + f"|{tuple(t.shape)}|{t.dtype}"
-        for n, t in named
-    }
+TAG_VERSION = 78
 
 
 def roundtrip(world, group, result):
+    """The transport contract (weights_contract.py) over the group transport, announced over MPI."""
     result["runs"] = []
     for bucket_bytes, checksum in ((256, False), (4096, True), (1 << 20, False)):
-        run = {"bucket_bytes": bucket_bytes, "versions": {}}
+        run = {"bucket_bytes": bucket_bytes}
         if world.rank == 0:
-            pub = WeightPublisher(group, layout_for(model(0).items(), bucket_bytes), checksum=checksum)
-            run["num_buckets"] = pub.layout.num_buckets
-            for version in (1, 2, 3):
-                announce(world, [1, 2], version)
-                named = model(version)
-                pub.publish(version, named)
-                run["versions"][version] = digest(model(version).items())
-                for t in named.values():  # the caller may step on at once: the snapshot is already taken
-                    t.zero_() if t.dtype != torch.bool else t.logical_not_()
-            pub.wait()
+            announce = announce_to(world, [1, 2], TAG_VERSION)
+            sender = GroupWeightSender.open(group, model(0), bucket_bytes / 2**20, announce, checksum)
+            run["num_buckets"] = sender.publisher.layout.num_buckets
+            run["versions"] = send_versions(sender)
         else:
-            rec = WeightReceiver(group, 0)
-            run["num_buckets"] = rec.layout.num_buckets
-            for _ in range(3):
-                announced = None
-                while announced is None:
-                    announced = poll_announcement(world, 0)
-                version, named = rec.receive()
-                assert version == announced
-                run["versions"][version] = digest(named)
+            source = GroupWeightReceiver.open(group, 0)
+            run["num_buckets"] = source.receiver.layout.num_buckets
+            run["versions"] = receive_versions(source, lambda: int(world.recv(0, TAG_VERSION)))
         result["runs"].append(run)
 
 

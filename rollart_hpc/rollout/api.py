@@ -1,0 +1,65 @@
+"""The engine contract the rollout rank loop (`rollart_hpc.rollout.main.serve`) drives.
+
+Every engine behind `rollout.engine` (the built-in `LLMEngine`, the vLLM adapter `VLLMEngine`) satisfies
+`Engine` structurally; `rollart_hpc.rollout.engines.build_engine` constructs one from the config.
+
+Contract (checked for both engines by tests/engine_contract.py):
+- every added request yields exactly one finished output through `step()` (finish_reason stop, length,
+  abort or error); `has_unfinished()` stays true until that output was returned;
+- each output token carries its log-prob under the distribution it was sampled from (finite, <= 0) and
+  the policy version of the weights that produced it;
+- `update_weights` may be called from another thread while the caller steps; the new weights take
+  effect between two steps (no forward mixes versions), `version` changes when they do, and every token
+  sampled after that carries the new version; `has_staged_weights()` is true while a version is staged
+  or loading and not yet active;
+- `abort` makes a later `step()` return the request (tokens so far) with finish_reason "abort"; it
+  returns False for an unknown or already finished request;
+- `close()` releases the engine's threads and processes; calling it again does nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
+
+from rollart_hpc.rollout.types import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Engine(Protocol):
+    """A synchronous, continuously batching inference engine (see the module docstring)."""
+
+    @property
+    def version(self) -> int:
+        """The policy version of the weights the engine samples from now."""
+        ...
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Queue a request; its finished output comes out of a later `step()`."""
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; True if it was in the engine."""
+        ...
+
+    def step(self) -> list[RequestOutput]:
+        """Advance the engine; return the outputs finished since the last call."""
+        ...
+
+    def has_unfinished(self) -> bool:
+        """True while any request is in the engine or has an output not yet returned by `step()`."""
+        ...
+
+    def has_staged_weights(self) -> bool:
+        """True while new weights are staged or loading and not yet active."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Install new weights (HF names) as `version`; they take effect between two steps."""
+        ...
+
+    def close(self) -> None:
+        """Release threads, processes and buffers; idempotent."""
+        ...

@@ -1,0 +1,69 @@
+"""The weight-transport contract (`rollart_hpc.weights.transport`), one function per side.
+
+Used by tests/mpi_scripts/weights_check.py (the group transport, one side per MPI rank) and by
+tests/test_weights_transport.py (the in-process transport, one side per thread). The sender publishes
+`VERSIONS` in order and scribbles over its tensors right after each publish (the snapshot rule); each
+receiver must get every version once, in order, bit-identical to what was published.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+
+import torch
+
+from rollart_hpc.weights.transport import WeightSender, WeightSource
+
+VERSIONS = (1, 2, 3)
+Digest = dict[str, str]
+
+
+def model(version: int) -> dict[str, torch.Tensor]:
+    """Mixed dtypes and shapes, a scalar, an empty tensor and one tensor larger than the small buckets."""
+    g = torch.Generator().manual_seed(1000 + version)
+    return {
+        "model.embed_tokens.weight": torch.randn(300, 64, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+        "model.layers.0.input_layernorm.weight": torch.randn(64, generator=g).to(torch.float16),
+        "model.layers.0.mlp.counter": torch.randint(0, 1 << 40, (7,), generator=g),
+        "model.layers.0.mask": torch.rand(13, generator=g) > 0.5,
+        "model.scale": torch.randn((), generator=g),
+        "model.empty": torch.empty(0, 5),
+        "lm_head.weight": torch.randn(3, 1, 11, generator=g, dtype=torch.float64),
+    }
+
+
+def digest(named: Iterable[tuple[str, torch.Tensor]]) -> Digest:
+    return {
+        n: hashlib.sha256(
+            t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        ).hexdigest()
+        + f"|{tuple(t.shape)}|{t.dtype}"
+        for n, t in named
+    }
+
+
+def send_versions(sender: WeightSender) -> dict[int, Digest]:
+    """Publish every version; returns the digest of what each publish was given."""
+    sent = {}
+    for version in VERSIONS:
+        named = model(version)
+        sender.publish(version, named)
+        sent[version] = digest(model(version).items())
+        for t in named.values():  # the caller may step on at once: the snapshot is already taken
+            t.zero_() if t.dtype != torch.bool else t.logical_not_()
+    sender.wait()
+    return sent
+
+
+def receive_versions(source: WeightSource, announced: Callable[[], int] | None = None) -> dict[int, Digest]:
+    """Receive every version (after its announcement, when `announced` reads it); digests by version."""
+    got = {}
+    for expected in VERSIONS:
+        if announced is not None:
+            assert announced() == expected
+        version, named = source.receive()
+        assert version == expected, f"received v{version}, expected v{expected}"
+        got[version] = digest(named)
+    return got
