@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from rollart_hpc.config import load_config, write_resolved
+from rollart_hpc.config.choices import ASYNC_DEFAULT_STALENESS, FAMILY_NAMES, MODES
 from rollart_hpc.config.loader import apply_overrides, build, parse_override
 from rollart_hpc.config.resolve import read_resolved
 from rollart_hpc.config.schema import Config
@@ -122,3 +123,56 @@ def test_every_field_is_documented():
                 walk(f.default_factory)
 
     walk(Config)
+
+
+def test_choices_are_torch_free_and_config_imports_only_contracts():
+    code = (
+        "import sys, rollart_hpc.config.choices\n"
+        "ours = sorted(m for m in sys.modules if m.startswith('rollart_hpc.'))\n"
+        "assert all(m.startswith(('rollart_hpc.config', 'rollart_hpc.contracts')) for m in ours), ours\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_mode_staleness():
+    def staleness(mode, bound=-1):
+        return build(Config, {"controller": {"mode": mode, "max_staleness": bound}}).controller.staleness
+
+    assert [staleness(mode) for mode in MODES] == [0, 1, ASYNC_DEFAULT_STALENESS]
+    assert staleness("async", 3) == 3 and staleness("sync", 0) == 0
+    with pytest.raises(UsageError, match=r"controller\.max_staleness: mode 'one_step_off' implies 1"):
+        staleness("one_step_off", 2)
+
+
+def test_family_and_household_type_names():
+    with pytest.raises(UsageError, match=r"envs\.families: 'chess' is not one of 'household', 'calc_math'"):
+        build(Config, {"envs": {"families": ["chess"]}})
+    with pytest.raises(UsageError, match=r"envs\.household_types: 'fly' is not one of put_in, put_on"):
+        build(Config, {"envs": {"household_types": ["fly"]}})
+    assert build(Config, {"envs": {"families": list(FAMILY_NAMES)}}).envs.families == list(FAMILY_NAMES)
+
+
+def test_registries_hold_one_entry_per_family_name():
+    from rollart_hpc.envs.registry import FAMILIES
+    from rollart_hpc.reward.functions import REWARD_FNS
+
+    assert sorted(FAMILIES) == sorted(FAMILY_NAMES)
+    assert sorted(REWARD_FNS) == sorted(FAMILY_NAMES)
+
+
+def test_tiny_model_shape_follows_hidden_size():
+    model = build(Config, {"model": {"hidden_size": 256}}).model
+    assert (model.num_heads, model.num_kv_heads, model.head_dim) == (4, 2, 64)
+    assert build(Config, {"model": {"hidden_size": 64}}).model.num_kv_heads == 1
+    with pytest.raises(UsageError, match=r"model\.hidden_size: must be a positive multiple of 64"):
+        build(Config, {"model": {"hidden_size": 96}})
+
+
+def test_trainer_settings_from_the_trainer_section():
+    from rollart_hpc.train.config import TrainerConfig
+
+    section = build(Config, {"trainer": {"weight_decay": 0.1, "grad_clip": 0.5, "micro_batch_tokens": 512}})
+    cfg = TrainerConfig.from_config(section.trainer, lr=2e-4, seed=7, timeout_s=30.0)
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.grad_clip) == (2e-4, 0.1, 0.5)
+    assert (cfg.micro_batch_tokens, cfg.seed, cfg.collective_timeout_s) == (512, 7, 30.0)
+    assert cfg.compute_dtype == "float32"

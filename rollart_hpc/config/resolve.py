@@ -13,8 +13,8 @@ import tomli_w
 
 from rollart_hpc.config.loader import apply_overrides, build, load_toml, to_dict
 from rollart_hpc.config.schema import ROLE_NAMES, Config
-from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.atomic import atomic_write_bytes
+from rollart_hpc.contracts.errors import UsageError
 
 RESOLVED_NAME = "config.resolved.toml"
 RL_SECTIONS = ("model", "rollout", "envs", "algo", "trainer", "controller")

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rollart_hpc.config.choices import FAMILY_NAMES, HOUSEHOLD_TYPES, MODE_STALENESS, Mode, default_staleness
 from rollart_hpc.config.loader import doc_field
 from rollart_hpc.contracts.errors import UsageError
 
 ROLE_NAMES = ("controller", "rollout", "env", "reward", "trainer")
 Job = Literal["smoke", "rl"]
-HOUSEHOLD_TYPES = ("put_in", "put_on", "two_obj", "open_then_put", "other_room", "cook")
+TINY_HEAD_DIM = 64
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,10 @@ class SmokeConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class PolicyModelConfig:
+    """The [model] section: where the policy model comes from (the architecture itself is
+    `rollart_hpc.models.config.ModelConfig`, read from the model's config.json)."""
+
     source: Literal["tiny", "smollm2", "path"] = doc_field(
         "tiny",
         "'tiny': a small random Llama built for the run's tasks; 'smollm2': SmolLM2-135M-Instruct; 'path'.",
@@ -105,8 +109,25 @@ class ModelConfig:
     def validate(self, path: str) -> None:
         if (self.source == "path") != bool(self.path):
             raise UsageError(f"{path}.path: set it exactly when {path}.source = 'path'")
-        if self.hidden_size % 64 or self.hidden_size < 64:
-            raise UsageError(f"{path}.hidden_size: must be a positive multiple of 64, got {self.hidden_size}")
+        if self.hidden_size % TINY_HEAD_DIM or self.hidden_size < TINY_HEAD_DIM:
+            raise UsageError(
+                f"{path}.hidden_size: must be a positive multiple of {TINY_HEAD_DIM}, got {self.hidden_size}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Tiny model: width of one attention head."""
+        return TINY_HEAD_DIM
+
+    @property
+    def num_heads(self) -> int:
+        """Tiny model: query heads (hidden_size / head_dim)."""
+        return self.hidden_size // TINY_HEAD_DIM
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Tiny model: key/value heads, half the query heads (at least one)."""
+        return max(1, self.hidden_size // (2 * TINY_HEAD_DIM))
 
 
 @dataclass(frozen=True)
@@ -164,10 +185,11 @@ class EnvsConfig:
     faults: FaultsConfig = doc_field(FaultsConfig, "Injected env faults and latency (tests, benchmarks).")
 
     def validate(self, path: str) -> None:
-        known = ("household", "calc_math", "frozenlake")
         for name in self.families:
-            if name not in known:
-                raise UsageError(f"{path}.families: {name!r} is not one of {', '.join(map(repr, known))}")
+            if name not in FAMILY_NAMES:
+                raise UsageError(
+                    f"{path}.families: {name!r} is not one of {', '.join(map(repr, FAMILY_NAMES))}"
+                )
         for kind in self.household_types:
             if kind not in HOUSEHOLD_TYPES:
                 raise UsageError(
@@ -195,7 +217,10 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
+class TrainingConfig:
+    """The [trainer] section: how the trainer role trains (`TrainerConfig.from_config` in
+    `rollart_hpc.train.config` turns it into the trainer library's settings)."""
+
     lr: float = doc_field(1e-3, "AdamW learning rate of the RL phase.")
     weight_decay: float = doc_field(0.0, "AdamW weight decay.")
     grad_clip: float = doc_field(1.0, "Gradient norm clip (0 = off).")
@@ -216,7 +241,7 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    mode: Literal["sync", "one_step_off", "async"] = doc_field(
+    mode: Mode = doc_field(
         "async",
         "'sync': generate, train, sync; 'one_step_off': batch k+1 generated while training k; 'async'.",
     )
@@ -232,7 +257,7 @@ class ControllerConfig:
     keep_checkpoints: int = doc_field(2, "Complete checkpoints kept (older ones are removed).")
 
     def validate(self, path: str) -> None:
-        natural = {"sync": 0, "one_step_off": 1}.get(self.mode)
+        natural = MODE_STALENESS.get(self.mode)
         if natural is not None and self.max_staleness not in (-1, natural):
             raise UsageError(f"{path}.max_staleness: mode {self.mode!r} implies {natural}; leave it at -1")
         if self.checkpoint_every_steps < 0 or self.keep_checkpoints < 1:
@@ -242,8 +267,7 @@ class ControllerConfig:
 
     @property
     def staleness(self) -> int:
-        natural = {"sync": 0, "one_step_off": 1, "async": 1}[self.mode]
-        return natural if self.max_staleness == -1 else self.max_staleness
+        return default_staleness(self.mode) if self.max_staleness == -1 else self.max_staleness
 
 
 @dataclass(frozen=True)
@@ -252,11 +276,11 @@ class Config:
     roles: RolesConfig = doc_field(RolesConfig, "Ranks per role (and their SLURM partitions).")
     cluster: ClusterConfig = doc_field(ClusterConfig, "Process world, timeouts, communication backend.")
     smoke: SmokeConfig = doc_field(SmokeConfig, "The smoke job (run.job = 'smoke').")
-    model: ModelConfig = doc_field(ModelConfig, "The policy model (run.job = 'rl').")
+    model: PolicyModelConfig = doc_field(PolicyModelConfig, "The policy model (run.job = 'rl').")
     rollout: RolloutConfig = doc_field(RolloutConfig, "Rollout engines (run.job = 'rl').")
     envs: EnvsConfig = doc_field(EnvsConfig, "Environments and env workers (run.job = 'rl').")
     algo: AlgoConfig = doc_field(AlgoConfig, "SPO++ / SPO algorithm (run.job = 'rl').")
-    trainer: TrainerConfig = doc_field(TrainerConfig, "Trainer (run.job = 'rl').")
+    trainer: TrainingConfig = doc_field(TrainingConfig, "Trainer (run.job = 'rl').")
     controller: ControllerConfig = doc_field(
         ControllerConfig, "Controller: mode, staleness, batches (run.job = 'rl')."
     )

@@ -44,6 +44,8 @@ def _frozenlake(**options: Any) -> Family:
     return FrozenLakeFamily(**options)
 
 
+# One constructor per name in `rollart_hpc.config.choices.FAMILY_NAMES`, the home of the family names
+# (tests/test_config.py checks that the two agree).
 FAMILIES: dict[str, Callable[..., Family]] = {
     "household": _household,
     "calc_math": _calc_math,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rollart_hpc.config.schema import TrainingConfig
+
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
@@ -52,3 +54,15 @@ class TrainerConfig:
             raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+
+    @classmethod
+    def from_config(cls, section: TrainingConfig, *, lr: float, seed: int, timeout_s: float) -> TrainerConfig:
+        """The trainer settings of a run's [trainer] section, at learning rate `lr` (the warm start's or
+        the RL phase's), with the run's seed and the world's peer timeout bounding every collective."""
+        optim = OptimConfig(lr=lr, weight_decay=section.weight_decay, grad_clip=section.grad_clip)
+        return cls(
+            optim=optim,
+            micro_batch_tokens=section.micro_batch_tokens,
+            seed=seed,
+            collective_timeout_s=timeout_s,
+        )

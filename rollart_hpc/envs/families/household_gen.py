@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TYPES = ("put_in", "put_on", "two_obj", "open_then_put", "other_room", "cook")
+from rollart_hpc.config.choices import HOUSEHOLD_TYPES as TYPES
+
 NUM_GAMES = 128
 BASE_SEED = 1000
 

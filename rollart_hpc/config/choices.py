@@ -1,0 +1,34 @@
+"""The closed sets of names the config accepts, and the facts tied to them. Stdlib only.
+
+Each fact has its one home here, below every role: the schema validates against these names, and the
+roles that implement them (the controller's modes, the env families, the household quest types) import
+them from here instead of restating them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Mode = Literal["sync", "one_step_off", "async"]
+MODES: tuple[Mode, ...] = ("sync", "one_step_off", "async")
+"""Controller modes. 'sync': generate, train, sync; 'one_step_off': batch k+1 generated while training
+k; 'async': generation never waits for training, within the staleness bound."""
+
+MODE_STALENESS: dict[str, int] = {"sync": 0, "one_step_off": 1}
+"""The staleness bound that a mode implies; a mode absent here ('async') takes any bound >= 0."""
+
+ASYNC_DEFAULT_STALENESS = 1
+"""The bound of 'async' when the config leaves `controller.max_staleness` at -1."""
+
+
+def default_staleness(mode: str) -> int:
+    """The staleness bound of `mode` when the config does not state one."""
+    return MODE_STALENESS.get(mode, ASYNC_DEFAULT_STALENESS)
+
+
+FamilyName = Literal["household", "calc_math", "frozenlake"]
+FAMILY_NAMES: tuple[FamilyName, ...] = ("household", "calc_math", "frozenlake")
+"""Environment families; `rollart_hpc.envs.registry.FAMILIES` holds one constructor for each."""
+
+HOUSEHOLD_TYPES = ("put_in", "put_on", "two_obj", "open_then_put", "other_room", "cook")
+"""Household quest types; game `i` of the canonical set has type `HOUSEHOLD_TYPES[i % 6]`."""
