@@ -1,4 +1,7 @@
-"""Controller bookkeeping with plain fakes: admission, staleness, accounting (DESIGN invariants 1-3)."""
+"""Controller bookkeeping with plain fakes: admission, staleness, accounting.
+
+Pins invariants 1-3 of the `rollart_hpc/controller/core.py` docstring.
+"""
 
 import pytest
 from hypothesis import given, settings
@@ -6,8 +9,8 @@ from hypothesis import strategies as st
 
 from rollart_hpc.algo.sampler import TaskSampler
 from rollart_hpc.algo.tracker import EventTimeTracker
+from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.controller.core import ControllerCore
-from rollart_hpc.envs.types import Trajectory
 
 TASKS = [f"t{i}" for i in range(6)]
 

@@ -7,8 +7,8 @@ import io
 
 import pytest
 
-from rollart_hpc.envs import cli
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.envs import cli
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from rollart_hpc.envs.families import calc_math, frozenlake, household
 from rollart_hpc.envs.cli import sample
 from rollart_hpc.envs.demos import demonstration_messages, run_oracle
+from rollart_hpc.envs.families import calc_math, frozenlake, household
 from rollart_hpc.envs.families.household_data import data_dir, is_ready, load_manifest, prepare
 from rollart_hpc.envs.registry import FAMILIES, FamilySpec, family_of, make_family
 

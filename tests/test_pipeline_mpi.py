@@ -1,9 +1,9 @@
 """End-to-end RL runs as real MPI worlds (controller, rollout, env, reward, trainer ranks) on tiny settings.
 
-Checks DESIGN invariants across processes: every dispatched trajectory ends exactly once (trained,
-dropped or failed with a cause), in the HDF5 store as in the controller's counters; no trained token is
-older than max_staleness versions; rollout engines load every published version in order; `sync` trains
-on exactly what `async` with max_staleness 0 trains on for the same seed.
+Checks the invariants of `rollart_hpc/controller/core.py` across processes: every dispatched trajectory
+ends exactly once (trained, dropped or failed with a cause), in the HDF5 store as in the controller's
+counters; no trained token is older than max_staleness versions; rollout engines load every published
+version in order; `sync` trains on exactly what `async` with max_staleness 0 trains on for the same seed.
 """
 
 import json

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from rollart_hpc.entry.cli import main as cli_main
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.entry.cli import main as cli_main
 from rollart_hpc.metrics.report import load_run, read_rows, step_throughput, write_report
 from rollart_hpc.metrics.timeline import (
     Timeline,

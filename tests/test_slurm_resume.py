@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from rollart_hpc.entry import submit
 from rollart_hpc.controller.checkpoint import latest
+from rollart_hpc.entry import submit
 from rollart_hpc.store.trajectories import read_store
 
 pytestmark = [

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from rollart_hpc.envs.types import Trajectory
+from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.store.trajectories import StorePosition, TrajectoryStore, committed, read_store
 
 TESTS = Path(__file__).resolve().parent

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from rollart_hpc.entry import submit
 from rollart_hpc.cluster.plan import RoleRange, RunPlan, make_plan
 from rollart_hpc.cluster.sbatch import (
     HetComponent,
@@ -37,6 +36,7 @@ from rollart_hpc.cluster.sbatch import (
 )
 from rollart_hpc.config import load_config
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.entry import submit
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 HOSTILE_RUN_DIR = Path('/tmp/a b/it\'s "x"')

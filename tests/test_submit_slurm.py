@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from rollart_hpc.entry import submit
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.entry import submit
 
 pytestmark = [
     pytest.mark.slurm,

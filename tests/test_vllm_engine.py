@@ -256,7 +256,8 @@ def test_rank_loop_serves_requests_and_swaps_weights_through_the_vllm_engine(
     from types import SimpleNamespace
 
     from rollart_hpc.cluster.mailbox import Message
-    from rollart_hpc.contracts import protocol as proto
+    from rollart_hpc.contracts.protocol import Tag
+    from rollart_hpc.contracts.records import WeightAnnouncement
     from rollart_hpc.rollout.main import serve
 
     engine = state["engine"]
@@ -266,17 +267,17 @@ def test_rank_loop_serves_requests_and_swaps_weights_through_the_vllm_engine(
     a, b = _prompts((9, 14), seed=8, vocab=state["vocab"])
 
     def outputs(sent: list[tuple[Any, int, int]]) -> int:
-        return sum(tag == proto.OUTPUT for _, _, tag in sent)
+        return sum(tag == Tag.OUTPUT for _, _, tag in sent)
 
     def loaded(sent: list[tuple[Any, int, int]]) -> bool:
-        return any(tag == proto.LOADED for _, _, tag in sent)
+        return any(tag == Tag.LOADED for _, _, tag in sent)
 
     mailbox = _ScriptedMailbox(
         [
-            (Message(3, proto.GENERATE, ("a", a, GREEDY)), lambda sent: True),
-            (Message(3, proto.WEIGHTS, new_version), lambda sent: outputs(sent) == 1),
-            (Message(4, proto.GENERATE, ("b", b, GREEDY)), loaded),
-            (Message(0, proto.STOP, None), lambda sent: outputs(sent) == 2),
+            (Message(3, Tag.GENERATE, ("a", a, GREEDY)), lambda sent: True),
+            (Message(3, Tag.WEIGHTS, WeightAnnouncement(new_version)), lambda sent: outputs(sent) == 1),
+            (Message(4, Tag.GENERATE, ("b", b, GREEDY)), loaded),
+            (Message(0, Tag.STOP, None), lambda sent: outputs(sent) == 2),
         ]
     )
     ctx = SimpleNamespace(mailbox=mailbox, world=SimpleNamespace(rank=1), run_dir=tmp_path)
@@ -286,10 +287,10 @@ def test_rank_loop_serves_requests_and_swaps_weights_through_the_vllm_engine(
         tag: [(obj, dest) for obj, dest, t in mailbox.sent if t == tag]
         for tag in {t for *_, t in mailbox.sent}
     }
-    assert by_tag[proto.LOADED] == [(new_version, 0)]
-    (out_a, dest_a), (out_b, dest_b) = by_tag[proto.OUTPUT]
+    assert by_tag[Tag.LOADED] == [(new_version, 0)]
+    (out_a, dest_a), (out_b, dest_b) = by_tag[Tag.OUTPUT]
     assert (out_a.request_id, dest_a, out_b.request_id, dest_b) == ("a", 3, "b", 4)
     assert out_a.versions == [new_version - 1] * 16 and out_b.versions == [new_version] * 16
     ref = _run(_builtin(state["dirs"][new_index]), {"b": (b, GREEDY)})["b"]
     assert out_b.token_ids == ref.token_ids
-    assert by_tag[proto.STATS][0][1] == 0
+    assert by_tag[Tag.STATS][0][1] == 0

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.records import EpisodeTicket, Trajectory
+from rollart_hpc.controller.core import ControllerCore
 
 GOAL_TRAJECTORIES_PER_S = 20_000.0
 NUM_BINS = 10
@@ -48,16 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- the driven system ----------------------------------------------------------------------------
-def make_core(num_tasks: int, cap: int, batch: int, steps: int, seed: int) -> Any:
-    from rollart_hpc.algo.sampler import TaskSampler
-    from rollart_hpc.algo.tracker import EventTimeTracker, jeffreys_prior
-    from rollart_hpc.controller.core import ControllerCore
-
+def make_core(num_tasks: int, cap: int, batch: int, steps: int, seed: int) -> ControllerCore:
+    """An async core (staleness 1) over `num_tasks` synthetic task ids, built as the controller rank
+    builds its own (`ControllerCore.build`)."""
     task_ids = [f"task{i:06d}" for i in range(num_tasks)]
-    tracker = EventTimeTracker({t: jeffreys_prior([]) for t in task_ids})
-    sampler = TaskSampler(task_ids, tracker, max_in_flight_per_task=cap, seed=seed)
-    return ControllerCore(
-        batch_size=batch, max_staleness=1, mode="async", num_steps=steps, tracker=tracker, sampler=sampler
+    return ControllerCore.build(
+        task_ids,
+        batch_size=batch,
+        max_staleness=1,
+        mode="async",
+        num_steps=steps,
+        seed=seed,
+        max_in_flight_per_task=cap,
     )
 
 
@@ -65,8 +69,6 @@ class Results:
     """Synthetic finished episodes: one shared token payload, a per-task success probability."""
 
     def __init__(self, seed: int) -> None:
-        from rollart_hpc.envs.types import Trajectory
-
         self.rng = random.Random(seed)
         self.template = Trajectory(task_id="", family="synthetic", tags=("cpu",), episode_id="")
         self.template.append(list(range(64)), False, [], [])
@@ -76,7 +78,7 @@ class Results:
         self.template.finish_cause = "done"
         self.p_success: dict[str, float] = {}
 
-    def make(self, ticket: Any) -> Any:
+    def make(self, ticket: EpisodeTicket) -> Trajectory:
         p = self.p_success.setdefault(ticket.task_id, self.rng.random())
         won = self.rng.random() < p
         return dataclasses.replace(
@@ -112,7 +114,7 @@ class OpTimer:
 
 
 # ---- throughput -----------------------------------------------------------------------------------
-def one_round(core: Any, results: Results, timer: OpTimer, rng: random.Random) -> None:
+def one_round(core: ControllerCore, results: Results, timer: OpTimer, rng: random.Random) -> None:
     """Dispatch what admission allows; half of the in-flight results arrive shuffled; batch; publish."""
     while (ticket := timer.call("dispatch", core.dispatch)) is not None:
         pass
@@ -187,7 +189,7 @@ def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def fill_and_drain(core: Any, results: Results, target: int, rng: random.Random) -> dict[str, Any]:
+def fill_and_drain(core: ControllerCore, results: Results, target: int, rng: random.Random) -> dict[str, Any]:
     """Fill to `target` in flight (timing dispatch and a waiting next_batch), drain in random order."""
     dispatch_t: list[tuple[int, float]] = []
     waiting_t: list[tuple[int, float]] = []
@@ -210,7 +212,7 @@ def fill_and_drain(core: Any, results: Results, target: int, rng: random.Random)
     return {"dispatch": dispatch_t, "next_batch_waiting": waiting_t, "receive_admit": receive_t}
 
 
-def train_all(core: Any) -> int:
+def train_all(core: ControllerCore) -> int:
     """Take and publish every batch the buffer allows; returns how many steps were trained."""
     steps = 0
     while (batch := core.next_batch()) is not None:
@@ -220,7 +222,7 @@ def train_all(core: Any) -> int:
     return steps
 
 
-def in_flight_core(target: int, num_tasks: int, cycles: int, seed: int) -> Any:
+def in_flight_core(target: int, num_tasks: int, cycles: int, seed: int) -> ControllerCore:
     cap = max(1, -(-target // num_tasks))
     # admission limit at rollout version v is (v + 2) * batch: batch = target / 2 admits `target` at once.
     return make_core(num_tasks, cap, batch=max(1, target // 2), steps=2 * cycles + 2, seed=seed)

@@ -29,10 +29,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rollart_hpc.config.choices import MODES
 from rollart_hpc.contracts.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
-MODES = ("sync", "one_step_off", "async")
 UTILISATION_BINS = 60
 
 

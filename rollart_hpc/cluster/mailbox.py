@@ -20,8 +20,7 @@ from typing import Any
 
 from rollart_hpc.cluster.world import World
 from rollart_hpc.contracts.errors import PeerTimeoutError
-
-TAG_HEARTBEAT = 100
+from rollart_hpc.contracts.protocol import Tag
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ class Mailbox:
         while not self._stop.wait(self.heartbeat_s):
             pending = [r for r in pending if not r.Test()]
             for rank in list(self.last_heard):
-                pending.append(self.world.comm.isend(None, dest=rank, tag=TAG_HEARTBEAT))
+                pending.append(self.world.comm.isend(None, dest=rank, tag=Tag.HEARTBEAT))
 
     def watch(self, ranks: Iterable[int]) -> None:
         now = time.monotonic()
@@ -66,7 +65,7 @@ class Mailbox:
     def unwatch(self, rank: int) -> None:
         self.last_heard.pop(rank, None)
 
-    def send(self, payload: Any, dest: int, tag: int) -> None:
+    def send(self, payload: Any, dest: int, tag: Tag) -> None:
         self._pending.append((self.world.comm.isend(payload, dest=dest, tag=tag), dest))
         if len(self._pending) > 64:
             self._pending = [(r, d) for r, d in self._pending if not r.Test()]
@@ -84,11 +83,11 @@ class Mailbox:
             payload = self.world.comm.recv(source=source, tag=tag)
             if source in self.last_heard:
                 self.last_heard[source] = time.monotonic()
-            if tag != TAG_HEARTBEAT:
+            if tag != Tag.HEARTBEAT:
                 messages.append(Message(source, tag, payload))
         return messages
 
-    def wait_for(self, tag: int | frozenset[int], source: int | None = None) -> Message:
+    def wait_for(self, tag: Tag | frozenset[Tag], source: int | None = None) -> Message:
         """Block until a message with `tag` (or any tag of a set; from `source`, if given) arrives, in
         arrival order; other messages are kept for the next `poll`. Liveness-checked."""
         tags = tag if isinstance(tag, frozenset) else frozenset([tag])

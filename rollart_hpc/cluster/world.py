@@ -16,12 +16,10 @@ from rollart_hpc.cluster.env import ProcessEnv
 from rollart_hpc.cluster.plan import RunPlan
 from rollart_hpc.config.schema import ROLE_NAMES
 from rollart_hpc.contracts.errors import PeerTimeoutError
+from rollart_hpc.contracts.protocol import Tag
 
 if TYPE_CHECKING:
     from mpi4py import MPI
-
-TAG_BARRIER = 9001
-TAG_RENDEZVOUS = 9002
 
 
 @dataclass
@@ -74,25 +72,25 @@ class World:
         """Every rank checks in with rank 0, then waits for its release; silent peers are named."""
         if self.rank == 0:
             for peer in range(1, self.plan.world_size):
-                self.recv(peer, TAG_BARRIER)
+                self.recv(peer, Tag.BARRIER)
             for peer in range(1, self.plan.world_size):
-                self.send(None, peer, TAG_BARRIER)
+                self.send(None, peer, Tag.BARRIER)
         else:
-            self.send(None, 0, TAG_BARRIER)
-            self.recv(0, TAG_BARRIER)
+            self.send(None, 0, Tag.BARRIER)
+            self.recv(0, Tag.BARRIER)
 
     def bcast_from_root(self, obj: Any) -> Any:
         """Broadcast a small object from rank 0 to every rank, with timeouts."""
         if self.rank == 0:
             for peer in range(1, self.plan.world_size):
-                self.send(obj, peer, TAG_RENDEZVOUS)
+                self.send(obj, peer, Tag.RENDEZVOUS)
             return obj
-        return self.recv(0, TAG_RENDEZVOUS)
+        return self.recv(0, Tag.RENDEZVOUS)
 
     def gather_to_root(self, obj: Any) -> list[Any] | None:
         if self.rank == 0:
-            return [obj] + [self.recv(peer, TAG_RENDEZVOUS) for peer in range(1, self.plan.world_size)]
-        self.send(obj, 0, TAG_RENDEZVOUS)
+            return [obj] + [self.recv(peer, Tag.RENDEZVOUS) for peer in range(1, self.plan.world_size)]
+        self.send(obj, 0, Tag.RENDEZVOUS)
         return None
 
 

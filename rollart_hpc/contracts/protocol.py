@@ -1,36 +1,59 @@
-"""Message tags between the roles of an RL run (MPI point-to-point; payloads are pickled objects).
+"""Every MPI message tag of the system, in one registry (`Tag`); payloads are pickled objects.
 
-controller -> env       DISPATCH      EpisodeTicket as dict, with the task id
-env -> rollout          GENERATE      (request_id, prompt_token_ids, SamplingParams)
-env -> rollout          ABORT         request_id
-rollout -> env          OUTPUT        RequestOutput
-env -> reward           SCORE         Trajectory (status ok)
-reward -> controller    RESULT        Trajectory (scored)   [env -> controller for failed ones]
-controller -> trainer   BATCH         TrainShard (this rank's share of step n)
-trainer -> controller   TRAINED       StepReport of step n (trainer rank 0, after publishing n+1)
-trainer -> rollout      WEIGHTS       version about to be broadcast on the weights group
-rollout -> controller   LOADED        version now loaded by that engine
-any -> any              STOP          reason; the receiver finishes its work and exits
-rank -> controller      READY         the rank has set up (model loaded, groups joined)
-controller -> all       START         model directory and facts every rank needs
-controller -> trainer   CHECKPOINT    directory for the trainers' part of a run checkpoint
-trainer -> controller   CHECKPOINTED  that part is written
-rank -> controller      STATS         the rank's busy time, sent as it exits
+Role messages of an RL run (records from `rollart_hpc.contracts.records` unless noted):
+
+controller -> env       DISPATCH            EpisodeTicket
+env -> rollout          GENERATE            (request_id, prompt_token_ids, SamplingParams)
+env -> rollout          ABORT               request_id
+rollout -> env          OUTPUT              RequestOutput
+env -> reward           SCORE               Trajectory (status ok)
+reward -> controller    RESULT              Trajectory (scored)   [env -> controller for failed ones]
+controller -> trainer   BATCH               TrainShard (this rank's share of step n)
+trainer -> controller   TRAINED             StepReport of step n (trainer rank 0, after publishing n+1)
+trainer -> rollout      WEIGHTS             WeightAnnouncement: version about to be broadcast
+rollout -> controller   LOADED              version (int) now loaded by that engine
+any -> any              STOP                reason (str); the receiver finishes its work and exits
+rank -> controller      READY               Ready: the rank has set up (model loaded, groups joined)
+controller -> all       START               TrainerStart (to trainers) or WorkerStart (to the others)
+controller -> trainer   CHECKPOINT          directory (str) for the trainers' part of a run checkpoint
+trainer -> controller   CHECKPOINTED        that directory (str): that part is written
+rank -> controller      STATS               RankStats: the rank's busy time, sent as it exits
+
+Infrastructure (not seen by role loops):
+
+any -> watched ranks    HEARTBEAT           None; liveness, consumed by `Mailbox.poll`
+trainer 0 -> trainers   TRAINER_RENDEZVOUS  (host, port) of the trainers' torch.distributed group
+rank <-> rank 0         BARRIER             None; `World.barrier`
+rank <-> rank 0         RENDEZVOUS          any object; `World.bcast_from_root` / `gather_to_root`
+member <-> member 0     WEIGHTS_GROUP       node name / (host, port) of the weights group's TCPStore
+any -> any              SMOKE_HEARTBEAT     (rank, round) of the smoke job
 """
 
-DISPATCH = 1
-GENERATE = 2
-ABORT = 3
-OUTPUT = 4
-SCORE = 5
-RESULT = 6
-BATCH = 7
-TRAINED = 8
-WEIGHTS = 9
-LOADED = 10
-STOP = 11
-READY = 12
-START = 13
-STATS = 14
-CHECKPOINT = 15
-CHECKPOINTED = 16
+from __future__ import annotations
+
+import enum
+
+
+class Tag(enum.IntEnum):
+    DISPATCH = 1
+    GENERATE = 2
+    ABORT = 3
+    OUTPUT = 4
+    SCORE = 5
+    RESULT = 6
+    BATCH = 7
+    TRAINED = 8
+    WEIGHTS = 9
+    LOADED = 10
+    STOP = 11
+    READY = 12
+    START = 13
+    STATS = 14
+    CHECKPOINT = 15
+    CHECKPOINTED = 16
+    HEARTBEAT = 100
+    TRAINER_RENDEZVOUS = 113
+    SMOKE_HEARTBEAT = 200
+    BARRIER = 9001
+    RENDEZVOUS = 9002
+    WEIGHTS_GROUP = 9101

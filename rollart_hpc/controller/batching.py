@@ -7,26 +7,13 @@ carries the global action-token count of the step, the loss denominator on every
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from rollart_hpc.algo.advantages import AdvantageInputs, advantage_diagnostics, get_advantage_estimator
+from rollart_hpc.contracts.records import TrainShard
 from rollart_hpc.controller.core import Batch
-
-
-@dataclass
-class TrainShard:
-    """One trainer rank's share of step `step` (lists, so it pickles without torch)."""
-
-    step: int
-    num_global_action_tokens: int
-    tokens: list[list[int]] = field(default_factory=list)
-    action_masks: list[list[int]] = field(default_factory=list)
-    behaviour_logprobs: list[list[float]] = field(default_factory=list)
-    advantages: list[list[float]] = field(default_factory=list)
-    seq_ids: list[str] = field(default_factory=list)
 
 
 def batch_advantages(batch: Batch, estimator: str) -> tuple[np.ndarray, dict[str, float]]:

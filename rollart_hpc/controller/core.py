@@ -23,29 +23,15 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from rollart_hpc.algo.sampler import TaskSampler
-from rollart_hpc.algo.tracker import ValueTracker
-from rollart_hpc.envs.types import Trajectory
-
-Mode = Literal["sync", "one_step_off", "async"]
-MODE_STALENESS: dict[str, int] = {"sync": 0, "one_step_off": 1}
-
-
-@dataclass(frozen=True)
-class EpisodeTicket:
-    """What an env worker receives for one episode; returned inside the trajectory's `dispatch` dict."""
-
-    episode_id: str
-    task_id: str
-    version: int
-    event: int
-    baseline: float
-    seed: int
-    dispatch_time: float
+from rollart_hpc.algo.tracker import EventTimeTracker, ValueTracker, jeffreys_prior
+from rollart_hpc.config.choices import MODE_STALENESS, Mode
+from rollart_hpc.config.schema import AlgoConfig, ControllerConfig
+from rollart_hpc.contracts.records import EpisodeTicket, Trajectory
 
 
 @dataclass
@@ -95,6 +81,56 @@ class ControllerCore:
         self.dropped: Counter[str] = Counter()
         self.failed: Counter[str] = Counter()
         self.staleness: Counter[int] = Counter()
+
+    @classmethod
+    def build(
+        cls,
+        task_ids: Sequence[str],
+        *,
+        batch_size: int,
+        max_staleness: int,
+        mode: Mode,
+        num_steps: int,
+        seed: int,
+        rho: float = 0.875,
+        sampler_epsilon: float = 0.05,
+        max_in_flight_per_task: int = 1,
+    ) -> ControllerCore:
+        """A core with an SPO++ `EventTimeTracker` (no offline outcomes: v = 0.5 per task) and a
+        `TaskSampler` over `task_ids`, both seeded from `seed`."""
+        tracker = EventTimeTracker({t: jeffreys_prior([]) for t in task_ids}, rho=rho)
+        sampler = TaskSampler(
+            list(task_ids),
+            tracker,
+            epsilon=sampler_epsilon,
+            max_in_flight_per_task=max_in_flight_per_task,
+            seed=seed,
+        )
+        return cls(
+            batch_size=batch_size,
+            max_staleness=max_staleness,
+            mode=mode,
+            num_steps=num_steps,
+            tracker=tracker,
+            sampler=sampler,
+            seed=seed,
+        )
+
+    @classmethod
+    def from_config(
+        cls, controller: ControllerConfig, algo: AlgoConfig, task_ids: Sequence[str], seed: int
+    ) -> ControllerCore:
+        return cls.build(
+            task_ids,
+            batch_size=controller.batch_size,
+            max_staleness=controller.staleness,
+            mode=controller.mode,
+            num_steps=controller.num_steps,
+            seed=seed,
+            rho=algo.rho,
+            sampler_epsilon=algo.sampler_epsilon,
+            max_in_flight_per_task=algo.max_in_flight_per_task,
+        )
 
     # ---- dispatch -------------------------------------------------------------------------------
     def admission_limit(self) -> int:
@@ -237,8 +273,10 @@ class ControllerCore:
             "version": self.version,
             "next_episode": self.next_episode,
             "admitted": self.admitted,
-            "in_flight": [asdict(t) for t in self.in_flight.values()],
-            "buffer": [(asdict(r.ticket), r.trajectory, r.finish_time) for r in self.buffer.values()],
+            "in_flight": [t.to_dict() for t in self.in_flight.values()],
+            "buffer": [
+                (r.ticket.to_dict(), r.trajectory.to_dict(), r.finish_time) for r in self.buffer.values()
+            ],
             "counts": dict(self.counts),
             "dropped": dict(self.dropped),
             "failed": dict(self.failed),
@@ -252,10 +290,10 @@ class ControllerCore:
         that the caller dispatches them again (`in_flight`) and none is counted twice."""
         self.version = self.rollout_version = int(state["version"])
         self.next_episode, self.admitted = int(state["next_episode"]), int(state["admitted"])
-        self.in_flight = {t["episode_id"]: ticket_from_dict(t) for t in state["in_flight"]}
+        self.in_flight = {t["episode_id"]: EpisodeTicket.from_dict(t) for t in state["in_flight"]}
         self._in_flight_by_version = Counter(t.version for t in self.in_flight.values())
         self.buffer = OrderedDict(
-            (t["episode_id"], BufferedResult(ticket_from_dict(t), traj, finish))
+            (t["episode_id"], BufferedResult(EpisodeTicket.from_dict(t), Trajectory.from_dict(traj), finish))
             for t, traj, finish in state["buffer"]
         )
         self.training = {}
@@ -274,11 +312,3 @@ class ControllerCore:
         acc = self.accounting()
         ended = acc["trained"] + sum(acc["dropped"].values()) + sum(acc["failed"].values())
         return acc["dispatched"] == ended + acc["buffered"] + acc["in_training"] + acc["in_flight"]
-
-
-def ticket_to_dict(ticket: EpisodeTicket) -> dict[str, Any]:
-    return asdict(ticket)
-
-
-def ticket_from_dict(data: Mapping[str, Any]) -> EpisodeTicket:
-    return EpisodeTicket(**{k: data[k] for k in EpisodeTicket.__dataclass_fields__})

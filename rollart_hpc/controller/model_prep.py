@@ -11,13 +11,15 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.envs.build import family_specs, run_tasks
+from rollart_hpc.envs.registry import Family
+from rollart_hpc.envs.types import Task
 
 
-def task_corpus(config: Config, families: dict[str, Any], tasks: list[Any]) -> Iterator[str]:
+def task_corpus(config: Config, families: dict[str, Family], tasks: list[Task]) -> Iterator[str]:
     """Texts the tokenizer is trained on: every task's system prompt and its oracle's whole chat."""
     from rollart_hpc.envs.demos import demonstration_messages
 
@@ -44,17 +46,16 @@ def prepare_model(config: Config, run_dir: Path) -> Path:
 
         import_smollm2(tmp)
     else:
-        _make_tiny(config, tmp)
+        _make_run_tiny_model(config, tmp)
     tmp.rename(target)
     return target
 
 
-def _make_tiny(config: Config, out_dir: Path) -> None:
+def _make_run_tiny_model(config: Config, out_dir: Path) -> None:
     from rollart_hpc.models.tiny import make_tiny_model
-    from rollart_hpc.rl_common import family_specs, run_tasks
 
-    families = {name: spec.build() for name, spec in family_specs(config).items()}
-    corpus = list(task_corpus(config, families, run_tasks(config)))
+    families = {name: spec.build() for name, spec in family_specs(config.envs).items()}
+    corpus = list(task_corpus(config, families, run_tasks(config.envs)))
     m = config.model
     make_tiny_model(
         out_dir,
@@ -62,9 +63,9 @@ def _make_tiny(config: Config, out_dir: Path) -> None:
         seed=config.run.seed,
         hidden_size=m.hidden_size,
         num_layers=m.num_layers,
-        num_heads=m.hidden_size // 64,
-        num_kv_heads=max(1, m.hidden_size // 128),
-        head_dim=64,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
         vocab_size=m.vocab_size,
         max_position_embeddings=max(2048, config.rollout.max_model_len),
         corpus=corpus,

@@ -1,6 +1,6 @@
-"""The RL job (`run.job = "rl"`): every rank builds its RunContext, joins the weights group, and enters
-its role's main. See `rollart_hpc.rl_common` for the start-up order and the controller, rollout, env,
-reward and train packages for each role's loop."""
+"""The RL job (`run.job = "rl"`): every rank builds its RunContext and enters its role's main. See
+`rollart_hpc.cluster.context` for the start-up order and the controller, rollout, env, reward and train
+packages for each role's loop."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import importlib
 from pathlib import Path
 
 from rollart_hpc.cluster import signals
+from rollart_hpc.cluster.context import RunContext
 from rollart_hpc.cluster.mailbox import Mailbox
 from rollart_hpc.cluster.world import World
 from rollart_hpc.config.schema import Config
 from rollart_hpc.metrics.log import rank_logger
-from rollart_hpc.rl_common import RunContext, torch_backend
 
 # role -> module with `main(config, ctx, run_dir)`; explicit.
 ROLE_MAINS: dict[str, str] = {
@@ -31,15 +31,6 @@ def main(config: Config, world: World, run_dir: Path) -> None:
     mailbox = Mailbox(world, watch, config.controller.heartbeat_s)
     ctx = RunContext(config, world, run_dir, log, mailbox)
     try:
-        if world.rank in ctx.weight_members:
-            from rollart_hpc.weights.group import make_standalone_group
-
-            ctx.weights_group = make_standalone_group(
-                world,
-                ctx.weight_members,
-                torch_backend(config),
-                world.timeout_s,  # type: ignore[arg-type]
-            )
         importlib.import_module(ROLE_MAINS[world.role]).main(config, ctx, run_dir)
         log.info(f"{world.role} rank {world.rank} done")
     finally:

@@ -14,9 +14,8 @@ from pathlib import Path
 
 from rollart_hpc.cluster.world import World
 from rollart_hpc.config.schema import Config
+from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.metrics.log import rank_logger
-
-TAG_HEARTBEAT = 11
 
 
 def heartbeats(world: World, num_rounds: int) -> int:
@@ -24,9 +23,11 @@ def heartbeats(world: World, num_rounds: int) -> int:
     peers = [r for r in range(world.plan.world_size) if r != world.rank]
     received = 0
     for round_index in range(num_rounds):
-        requests = [world.comm.isend((world.rank, round_index), dest=p, tag=TAG_HEARTBEAT) for p in peers]
+        requests = [
+            world.comm.isend((world.rank, round_index), dest=p, tag=Tag.SMOKE_HEARTBEAT) for p in peers
+        ]
         for peer in peers:
-            sender, got_round = world.recv(peer, TAG_HEARTBEAT)
+            sender, got_round = world.recv(peer, Tag.SMOKE_HEARTBEAT)
             if (sender, got_round) != (peer, round_index):
                 raise RuntimeError(
                     f"{world.me}: heartbeat out of order from rank {peer}: {sender}, {got_round}"

@@ -24,8 +24,10 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from rollart_hpc.config.schema import RolloutConfig
+from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.envs.chat import ChatTokens, Message
-from rollart_hpc.envs.types import AsyncEnv, EnvError, Task, Trajectory
+from rollart_hpc.envs.types import AsyncEnv, EnvError, Task
 from rollart_hpc.rollout.types import LLMClient, RequestOutput, SamplingParams
 
 
@@ -39,6 +41,17 @@ class AgentConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig) -> AgentConfig:
+        """The run's agent loop: context length and sampling of the rollout engines."""
+        return cls(
+            max_context_tokens=rollout.max_model_len,
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+        )
 
     def sampling(
         self, max_tokens: int, stop_ids: tuple[int, ...], stop: tuple[str, ...] = ()

@@ -16,13 +16,21 @@ import itertools
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from rollart_hpc.cluster.context import RunContext
 from rollart_hpc.config.schema import Config
-from rollart_hpc.contracts import protocol as proto
+from rollart_hpc.contracts.protocol import Tag
+from rollart_hpc.contracts.records import EpisodeTicket, RankStats, Ready, WorkerStart
+from rollart_hpc.envs.agent_loop import AgentConfig
+from rollart_hpc.envs.build import family_specs
+from rollart_hpc.envs.types import Task
+from rollart_hpc.envs.worker import EnvWorker, EnvWorkerConfig
 from rollart_hpc.metrics.timeline import Timeline
-from rollart_hpc.rl_common import RunContext, agent_config, env_worker_config, family_specs
 from rollart_hpc.rollout.types import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class MPIClient:
@@ -46,13 +54,13 @@ class MPIClient:
         sampling = dataclasses.replace(sampling, seed=zlib.crc32(f"{self.seed}:{request_id}".encode()))
         future: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         self.futures[request_id] = (future, rank)
-        self.mailbox.send((request_id, prompt_token_ids, sampling), rank, proto.GENERATE)
+        self.mailbox.send((request_id, prompt_token_ids, sampling), rank, Tag.GENERATE)
         return await future
 
     async def abort(self, request_id: str) -> None:
         entry = self.futures.pop(request_id, None)
         if entry is not None:
-            self.mailbox.send(request_id, entry[1], proto.ABORT)
+            self.mailbox.send(request_id, entry[1], Tag.ABORT)
 
     def resolve(self, out: RequestOutput) -> None:
         entry = self.futures.pop(out.request_id, None)
@@ -61,14 +69,14 @@ class MPIClient:
 
     def abort_all(self) -> None:
         for request_id, (future, rank) in list(self.futures.items()):
-            self.mailbox.send(request_id, rank, proto.ABORT)
+            self.mailbox.send(request_id, rank, Tag.ABORT)
             if not future.done():
                 future.set_result(RequestOutput(request_id, [], finished=True, finish_reason="abort"))
         self.futures.clear()
 
 
 class EnvRank:
-    def __init__(self, config: Config, ctx: RunContext, worker: Any, tasks: dict[str, Any]) -> None:
+    def __init__(self, config: Config, ctx: RunContext, worker: EnvWorker, tasks: dict[str, Task]) -> None:
         self.config, self.ctx, self.worker, self.tasks = config, ctx, worker, tasks
         self.client = MPIClient(ctx)
         self.running: set[asyncio.Task[None]] = set()
@@ -77,20 +85,21 @@ class EnvRank:
         self.busy_s = 0.0
         self.timeline = Timeline("env", ctx.world.rank)
 
-    async def episode(self, ticket: dict[str, Any]) -> None:
+    async def episode(self, ticket: EpisodeTicket) -> None:
         start = time.perf_counter()
-        task = self.tasks[ticket["task_id"]]
+        task = self.tasks[ticket.task_id]
+        dispatch = ticket.dispatch_record(self.ctx.world.rank, task.family)
         with self.timeline.span():
             traj = await self.worker.run_episode(
-                task, self.client, dispatch=ticket, episode_id=ticket["episode_id"]
+                task, self.client, dispatch=dispatch, episode_id=ticket.episode_id
             )
         self.busy_s += time.perf_counter() - start
         if traj.status == "ok" and self.rewards is not None:
-            self.ctx.mailbox.send(traj, next(self.rewards), proto.SCORE)
+            self.ctx.mailbox.send(traj, next(self.rewards), Tag.SCORE)
         else:
-            self.ctx.mailbox.send(traj, 0, proto.RESULT)
+            self.ctx.mailbox.send(traj, 0, Tag.RESULT)
 
-    def start_episode(self, ticket: dict[str, Any]) -> None:
+    def start_episode(self, ticket: EpisodeTicket) -> None:
         task = asyncio.create_task(self.episode(ticket))
         self.running.add(task)
         task.add_done_callback(self.running.discard)
@@ -99,11 +108,11 @@ class EnvRank:
         mailbox = self.ctx.mailbox
         while not self.stopping or self.running:
             for msg in mailbox.poll():
-                if msg.tag == proto.DISPATCH:
+                if msg.tag == Tag.DISPATCH:
                     self.start_episode(msg.payload)
-                elif msg.tag == proto.OUTPUT:
+                elif msg.tag == Tag.OUTPUT:
                     self.client.resolve(msg.payload)
-                elif msg.tag == proto.STOP:
+                elif msg.tag == Tag.STOP:
                     self.stopping = True
             if self.stopping:
                 self.client.abort_all()
@@ -113,12 +122,12 @@ class EnvRank:
             await asyncio.sleep(0.001)
 
 
-async def serve(config: Config, ctx: RunContext, tokenizer: Any) -> float:
-    from rollart_hpc.envs.worker import EnvWorker
-
-    specs = family_specs(config)
+async def serve(config: Config, ctx: RunContext, tokenizer: PreTrainedTokenizerBase) -> float:
+    specs = family_specs(config.envs)
     tasks = {t.id: t for spec in specs.values() for t in spec.build().tasks()}
-    async with EnvWorker(env_worker_config(config), agent_config(config), tokenizer, specs) as worker:
+    worker_config = EnvWorkerConfig.from_config(config.envs, config.run.seed)
+    agent = AgentConfig.from_config(config.rollout)
+    async with EnvWorker(worker_config, agent, tokenizer, specs) as worker:
         rank = EnvRank(config, ctx, worker, tasks)
         await rank.pump()
         rank.timeline.write(ctx.run_dir)
@@ -128,9 +137,9 @@ async def serve(config: Config, ctx: RunContext, tokenizer: Any) -> float:
 def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    model_dir = Path(ctx.mailbox.wait_for(proto.START, source=0).payload["model_dir"])
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ctx.mailbox.send("ready", 0, proto.READY)
+    start: WorkerStart = ctx.mailbox.wait_for(Tag.START, source=0).payload
+    tokenizer = AutoTokenizer.from_pretrained(Path(start.model_dir))
+    ctx.mailbox.send(Ready(), 0, Tag.READY)
     busy_s = asyncio.run(serve(config, ctx, tokenizer))
-    ctx.mailbox.send({"role": "env", "busy_s": busy_s}, 0, proto.STATS)
+    ctx.mailbox.send(RankStats("env", busy_s), 0, Tag.STATS)
     ctx.mailbox.flush()

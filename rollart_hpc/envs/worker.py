@@ -1,7 +1,7 @@
 """Env worker: runs many episodes concurrently (asyncio), each env in an isolated child process.
 
 Dataflow: `run_episode` takes a free slot (at most `num_slots` episodes run at once, one child process
-per slot), drives the agent loop against a `ProcessEnv` bound to that slot's child, and returns a
+per slot), drives the agent loop against a `ChildProcessEnv` bound to that slot's child, and returns a
 `Trajectory`. The event loop never blocks on a child: replies are awaited through `loop.add_reader`
 on the pipe with a per-request deadline (`reset_timeout_s`, `step_timeout_s`, never past the episode's
 deadline `episode_timeout_s`, which bounds the episode's whole wall time including LLM turns).
@@ -31,12 +31,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollart_hpc.config.schema import EnvsConfig
+from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.envs.agent_loop import AgentConfig, fail, new_trajectory, run_episode
 from rollart_hpc.envs.chat import ChatTokens
 from rollart_hpc.envs.child import child_main
-from rollart_hpc.envs.faults import FaultConfig
+from rollart_hpc.envs.faults import FaultConfig, LatencyConfig
 from rollart_hpc.envs.registry import FamilySpec
-from rollart_hpc.envs.types import EnvError, StepResult, Task, Trajectory
+from rollart_hpc.envs.types import EnvError, StepResult, Task
 from rollart_hpc.rollout.types import LLMClient
 
 
@@ -51,6 +53,24 @@ class EnvWorkerConfig:
     close_grace_s: float = 2.0
     start_method: str = "forkserver"
     faults: FaultConfig = field(default_factory=FaultConfig)
+
+    @classmethod
+    def from_config(cls, envs: EnvsConfig, seed: int) -> EnvWorkerConfig:
+        """The run's env worker: slots and time limits from `envs`, faults seeded with the run seed."""
+        f = envs.faults
+        faults = FaultConfig(
+            seed=seed,
+            crash_prob=f.crash_prob,
+            hang_prob=f.hang_prob,
+            error_prob=f.error_prob,
+            latency=LatencyConfig(dist=f.latency, scale_s=f.latency_scale_s, max_s=f.latency_max_s),
+        )
+        return cls(
+            num_slots=envs.num_slots,
+            step_timeout_s=envs.step_timeout_s,
+            episode_timeout_s=envs.episode_timeout_s,
+            faults=faults,
+        )
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -124,7 +144,7 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-class ProcessEnv:
+class ChildProcessEnv:
     """The AsyncEnv of one episode, backed by a slot's child process."""
 
     def __init__(self, child: _Child, spec: FamilySpec, episode_id: str, cfg: EnvWorkerConfig) -> None:
@@ -196,7 +216,7 @@ class EnvWorker:
         child = await self._slots.get()
         try:
             child = child or self._spawn()
-            env = ProcessEnv(child, self._spec(task.family), eid, self.cfg)
+            env = ChildProcessEnv(child, self._spec(task.family), eid, self.cfg)
             try:
                 async with asyncio.timeout(self.cfg.episode_timeout_s):
                     await run_episode(task, env, client, self.chat, self.agent, traj)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from rollart_hpc.envs.types import Trajectory
+from rollart_hpc.contracts.records import Trajectory
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,12 @@ def env_won(inp: RewardInput) -> RewardOutput:
 
 def calc_math_answer(inp: RewardInput) -> RewardOutput:
     """1.0 if the final reply holds `<answer>` equal to the gold answer, recomputed from the task id."""
-    from rollart_hpc.envs.families.calc_math import answer_matches, generate_problem, parse_action, parse_task_id
+    from rollart_hpc.envs.families.calc_math import (
+        answer_matches,
+        generate_problem,
+        parse_action,
+        parse_task_id,
+    )
 
     if not inp.actions:
         return RewardOutput(0.0, False)

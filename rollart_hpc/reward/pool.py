@@ -19,7 +19,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rollart_hpc.envs.types import Trajectory
+from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.reward.functions import RewardInput, RewardOutput, reward_fn
 
 

@@ -14,18 +14,24 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from rollart_hpc.cluster.context import RunContext
 from rollart_hpc.config.schema import Config
-from rollart_hpc.contracts import protocol as proto
+from rollart_hpc.contracts.protocol import Tag
+from rollart_hpc.contracts.records import RankStats, Ready, WeightAnnouncement, WorkerStart
 from rollart_hpc.metrics.timeline import Timeline
-from rollart_hpc.rl_common import RunContext
+from rollart_hpc.rollout.api import Engine
+from rollart_hpc.rollout.engines import build_engine
+
+if TYPE_CHECKING:
+    from rollart_hpc.weights.transport import WeightSource
 
 
 class _WeightThread:
     """Receives one published version off the main loop and stages it into the engine."""
 
-    def __init__(self, receiver: Any, engine: Any) -> None:
+    def __init__(self, receiver: WeightSource, engine: Engine) -> None:
         self.receiver, self.engine = receiver, engine
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -55,7 +61,7 @@ class _WeightThread:
             raise RuntimeError(f"weight receive failed: {self.error}") from self.error
 
 
-def serve(ctx: RunContext, engine: Any, receiver: Any) -> None:
+def serve(ctx: RunContext, engine: Engine, receiver: WeightSource) -> None:
     mailbox = ctx.mailbox
     owners: dict[str, int] = {}
     weights = _WeightThread(receiver, engine)
@@ -64,15 +70,16 @@ def serve(ctx: RunContext, engine: Any, receiver: Any) -> None:
     timeline = Timeline("rollout", ctx.world.rank)
     while not stopping or engine.has_unfinished():
         for msg in mailbox.poll():
-            if msg.tag == proto.GENERATE:
+            if msg.tag == Tag.GENERATE:
                 request_id, prompt, sampling = msg.payload
                 owners[request_id] = msg.source
                 engine.add_request(request_id, prompt, sampling)
-            elif msg.tag == proto.ABORT:
+            elif msg.tag == Tag.ABORT:
                 engine.abort(msg.payload)
-            elif msg.tag == proto.WEIGHTS:
-                weights.start(int(msg.payload))
-            elif msg.tag == proto.STOP:
+            elif msg.tag == Tag.WEIGHTS:
+                announcement: WeightAnnouncement = msg.payload
+                weights.start(announcement.version)
+            elif msg.tag == Tag.STOP:
                 stopping = True
                 for request_id in list(owners):
                     engine.abort(request_id)
@@ -83,7 +90,7 @@ def serve(ctx: RunContext, engine: Any, receiver: Any) -> None:
                 for out in engine.step():
                     dest = owners.pop(out.request_id, None)
                     if dest is not None:
-                        mailbox.send(out, dest, proto.OUTPUT)
+                        mailbox.send(out, dest, Tag.OUTPUT)
             busy_s += time.perf_counter() - start
         elif engine.has_staged_weights():
             engine.step()  # an idle engine swaps staged weights at once
@@ -91,55 +98,29 @@ def serve(ctx: RunContext, engine: Any, receiver: Any) -> None:
             time.sleep(0.0005)
         if engine.version != reported:
             reported = engine.version
-            mailbox.send(reported, 0, proto.LOADED)
+            mailbox.send(reported, 0, Tag.LOADED)
         mailbox.check()
     weights.join()
     timeline.write(ctx.run_dir)
-    mailbox.send({"role": "rollout", "busy_s": busy_s}, 0, proto.STATS)
+    mailbox.send(RankStats("rollout", busy_s), 0, Tag.STATS)
     mailbox.flush()
 
 
-def _builtin_engine(config: Config, ctx: RunContext, model_dir: Path, version: int) -> Any:
-    from rollart_hpc.rollout.engine import LLMEngine
-
-    return LLMEngine.from_pretrained(
-        model_dir,
-        num_slots=config.rollout.num_slots,
-        max_model_len=config.rollout.max_model_len,
-        version=version,
-        seed=config.run.seed + ctx.world.rank,
-    )
-
-
-def _vllm_engine(config: Config, ctx: RunContext, model_dir: Path, version: int) -> Any:
-    from rollart_hpc.rollout.vllm_engine import VLLMEngine
-
-    return VLLMEngine(
-        model_dir,
-        num_slots=config.rollout.num_slots,
-        max_model_len=config.rollout.max_model_len,
-        version=version,
-        seed=config.run.seed + ctx.world.rank,
-        tensor_parallel_size=config.rollout.tensor_parallel_size,
-    )
-
-
-ENGINES = {"builtin": _builtin_engine, "vllm": _vllm_engine}
-
-
 def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
+    from rollart_hpc.weights.transport import GroupWeightReceiver, join_run_weight_group  # torch
+
+    group = join_run_weight_group(ctx)  # first of all, as the first trainer does
+    assert group is not None, "every rollout rank is a member of the weights group"
     import torch
 
     torch.set_num_threads(config.rollout.num_threads)
-    start = ctx.mailbox.wait_for(proto.START, source=0).payload
-    model_dir = Path(start["model_dir"])
-    receiver = ctx.make_weight_receiver()
-    engine = ENGINES[config.rollout.engine](config, ctx, model_dir, int(start["version"]))
+    start: WorkerStart = ctx.mailbox.wait_for(Tag.START, source=0).payload
+    model_dir = Path(start.model_dir)
+    receiver = GroupWeightReceiver.open(group)
+    engine = build_engine(config.rollout, model_dir, start.version, config.run.seed + ctx.world.rank)
     ctx.log.info(f"{config.rollout.engine} engine ready: {config.rollout.num_slots} slots, model {model_dir}")
-    ctx.mailbox.send("ready", 0, proto.READY)
+    ctx.mailbox.send(Ready(), 0, Tag.READY)
     try:
         serve(ctx, engine, receiver)
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+        engine.close()

@@ -41,7 +41,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from rollart_hpc.envs.types import Trajectory
+from rollart_hpc.contracts.records import Trajectory
 
 LIBVER = ("v110", "v110")
 CHUNK_TOKENS = 1 << 16

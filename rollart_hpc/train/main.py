@@ -1,11 +1,12 @@
 """Trainer rank of an RL run: warm start, then one SPO++ optimizer step per batch, publishing each version.
 
-Start: form the default torch.distributed group of the trainer ranks (Megatron's data-parallel world),
+Start: the first trainer joins the weights group (with the rollout ranks); form the default
+torch.distributed group of the trainer ranks (Megatron's data-parallel world),
 wait for START (the initial model), warm-start with supervised steps on oracle demonstrations, save the
-warm model (first trainer), report READY; the first trainer then builds the weight publisher.
-Loop: BATCH (this rank's shard of step n) -> `rl_step` -> the first trainer announces version n+1 to the
-rollout ranks (WEIGHTS over MPI), starts the bucketed broadcast in the background (the next step does
-not wait for it) and reports TRAINED to the controller. STOP ends the loop after the last publication.
+warm model (first trainer), report READY; the first trainer then opens the weight sender
+(`rollart_hpc.weights.transport`). Loop: BATCH (this rank's shard of step n) -> `rl_step` -> the first
+trainer's sender announces version n+1 to the rollout ranks (WEIGHTS over MPI) and starts the bucketed
+broadcast in the background (the next step does not wait for it); it reports TRAINED to the controller. STOP ends the loop after the last publication.
 """
 
 from __future__ import annotations
@@ -15,19 +16,31 @@ import random
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from rollart_hpc.cluster.context import RunContext, torch_backend
 from rollart_hpc.config.schema import Config
-from rollart_hpc.contracts import protocol as proto
-from rollart_hpc.metrics.timeline import Timeline
-from rollart_hpc.rl_common import (
-    RunContext,
-    agent_config,
-    family_specs,
-    loss_config,
-    run_tasks,
-    torch_backend,
+from rollart_hpc.contracts.protocol import Tag
+from rollart_hpc.contracts.records import (
+    RankStats,
+    Ready,
+    StepReport,
+    TrainerStart,
+    TrainShard,
+    Trajectory,
+    WeightAnnouncement,
 )
+from rollart_hpc.envs.agent_loop import AgentConfig
+from rollart_hpc.envs.build import family_specs, run_tasks
+from rollart_hpc.metrics.timeline import Timeline
+from rollart_hpc.train.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rollart_hpc.train.batch import PackedBatch
+    from rollart_hpc.train.trainer import Trainer
+    from rollart_hpc.weights.transport import WeightSender
 
 
 def init_trainer_group(ctx: RunContext) -> None:
@@ -41,11 +54,11 @@ def init_trainer_group(ctx: RunContext) -> None:
     if ctx.world.rank == first:
         address = ("127.0.0.1" if len(trainers) == 1 else _host(), free_port())
         for rank in trainers[1:]:
-            ctx.world.send(address, rank, tag=proto.START + 100)
+            ctx.world.send(address, rank, tag=Tag.TRAINER_RENDEZVOUS)
     else:
-        address = ctx.world.recv(first, tag=proto.START + 100)
+        address = ctx.world.recv(first, tag=Tag.TRAINER_RENDEZVOUS)
     dist.init_process_group(
-        torch_backend(ctx.config),
+        torch_backend(ctx.config.cluster),
         init_method=f"tcp://{address[0]}:{address[1]}",
         rank=trainers.index(ctx.world.rank),
         world_size=len(trainers),
@@ -59,33 +72,20 @@ def _host() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def trainer_config(config: Config, lr: float, timeout_s: float) -> Any:
-    from rollart_hpc.train.config import OptimConfig, TrainerConfig
-
-    t = config.trainer
-    optim = OptimConfig(lr=lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip)
-    return TrainerConfig(
-        optim=optim,
-        micro_batch_tokens=t.micro_batch_tokens,
-        seed=config.run.seed,
-        collective_timeout_s=timeout_s,
-    )
-
-
-def set_lr(trainer: Any, lr: float) -> None:
+def set_lr(trainer: Trainer, lr: float) -> None:
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
 
 
-def demonstrations(config: Config, tokenizer: Any) -> list[Any]:
+def demonstrations(config: Config, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]:
     from rollart_hpc.envs.demos import demonstration_trajectory
 
-    families = {name: spec.build() for name, spec in family_specs(config).items()}
-    cfg = agent_config(config)
-    return [demonstration_trajectory(families[t.family], t, tokenizer, cfg) for t in run_tasks(config)]
+    families = {name: spec.build() for name, spec in family_specs(config.envs).items()}
+    cfg = AgentConfig.from_config(config.rollout)
+    return [demonstration_trajectory(families[t.family], t, tokenizer, cfg) for t in run_tasks(config.envs)]
 
 
-def to_batch(trajs: list[Any]) -> Any:
+def to_batch(trajs: list[Trajectory]) -> PackedBatch:
     from rollart_hpc.train.batch import from_sequences
 
     return from_sequences(
@@ -97,7 +97,9 @@ def to_batch(trajs: list[Any]) -> Any:
     )
 
 
-def warm_start(config: Config, ctx: RunContext, trainer: Any, tokenizer: Any) -> dict[str, float]:
+def warm_start(
+    config: Config, ctx: RunContext, trainer: Trainer, tokenizer: PreTrainedTokenizerBase
+) -> dict[str, float]:
     """Supervised steps on oracle demonstrations; each rank takes its share of each sampled batch."""
     t = config.trainer
     demos = demonstrations(config, tokenizer)
@@ -115,7 +117,7 @@ def warm_start(config: Config, ctx: RunContext, trainer: Any, tokenizer: Any) ->
     return metrics
 
 
-def shard_to_batch(shard: Any) -> Any:
+def shard_to_batch(shard: TrainShard) -> PackedBatch:
     from rollart_hpc.train.batch import from_sequences
 
     return from_sequences(
@@ -123,36 +125,33 @@ def shard_to_batch(shard: Any) -> Any:
     )
 
 
-def rl_loop(config: Config, ctx: RunContext, trainer: Any, publisher: Any) -> float:
-    mailbox, rollouts = ctx.mailbox, ctx.ranks["rollout"]
-    cfg = loss_config(config)
+def rl_loop(config: Config, ctx: RunContext, trainer: Trainer, sender: WeightSender | None) -> float:
+    from rollart_hpc.algo.loss import LossConfig  # torch
+
+    mailbox = ctx.mailbox
+    cfg = LossConfig.from_config(config.algo)
     busy_s = 0.0
     timeline = Timeline("trainer", ctx.world.rank)
     while True:
-        msg = mailbox.wait_for(frozenset([proto.BATCH, proto.CHECKPOINT, proto.STOP]), source=0)
-        if msg.tag == proto.STOP:
+        msg = mailbox.wait_for(frozenset([Tag.BATCH, Tag.CHECKPOINT, Tag.STOP]), source=0)
+        if msg.tag == Tag.STOP:
             break
-        if msg.tag == proto.CHECKPOINT:
+        if msg.tag == Tag.CHECKPOINT:
             trainer.save_checkpoint(msg.payload)
-            mailbox.send(msg.payload, 0, proto.CHECKPOINTED)
+            mailbox.send(msg.payload, 0, Tag.CHECKPOINTED)
             continue
-        shard = msg.payload
+        shard: TrainShard = msg.payload
         start = time.perf_counter()
         span_start = time.time()
         report = trainer.rl_step(shard_to_batch(shard), shard.num_global_action_tokens, cfg)
-        if publisher is not None:
-            version = shard.step + 1
-            publisher.wait()
-            for rank in rollouts:
-                mailbox.send(version, rank, proto.WEIGHTS)
-            publisher.publish(version, trainer.hf_state_dict())
-            mailbox.send(
-                {**report, "step": shard.step, "train_s": time.perf_counter() - start}, 0, proto.TRAINED
-            )
+        if sender is not None:
+            sender.publish(shard.step + 1, trainer.hf_state_dict())  # announced, then in the background
+            step_report = StepReport(shard.step, time.perf_counter() - start, report)
+            mailbox.send(step_report, 0, Tag.TRAINED)
         busy_s += time.perf_counter() - start
         timeline.add(span_start, time.time())
-    if publisher is not None:
-        publisher.wait()
+    if sender is not None:
+        sender.wait()
     timeline.write(ctx.run_dir)
     return busy_s
 
@@ -163,39 +162,41 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
         "ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*"
     )
     warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+    from rollart_hpc.weights.transport import GroupWeightSender, announce_to, join_run_weight_group  # torch
+
+    first = ctx.world.rank == ctx.ranks["trainer"][0]
+    group = join_run_weight_group(ctx)  # first of all, as the rollout ranks do (None off the first trainer)
     import torch
     from transformers import AutoTokenizer
 
     from rollart_hpc.train.trainer import Trainer
-    from rollart_hpc.weights.buckets import layout_for
-    from rollart_hpc.weights.publisher import WeightPublisher
 
     torch.set_num_threads(config.trainer.num_threads)
     init_trainer_group(ctx)
-    start = ctx.mailbox.wait_for(proto.START, source=0).payload
-    model_init = Path(start["model_dir"])
-    trainer = Trainer(model_init, trainer_config(config, config.trainer.sft_lr, ctx.world.timeout_s))
+    start: TrainerStart = ctx.mailbox.wait_for(Tag.START, source=0).payload
+    model_init = Path(start.model_dir)
+    sft = TrainerConfig.from_config(
+        config.trainer, lr=config.trainer.sft_lr, seed=config.run.seed, timeout_s=ctx.world.timeout_s
+    )
+    trainer = Trainer(model_init, sft)
     started = time.perf_counter()
-    if start["resume"] is None:
+    if start.resume is None:
         warm_start(config, ctx, trainer, AutoTokenizer.from_pretrained(model_init))
         if config.trainer.rl_fresh_optimizer:
             trainer.reset_optimizer()
         current = run_dir / "model" / "warm"
     else:
-        step = trainer.load_checkpoint(start["resume"])
-        ctx.log.info(f"restored trainer checkpoint {start['resume']} (optimizer step {step})")
-        current = run_dir / "model" / f"resumed-{Path(start['resume']).parent.name}"
+        step = trainer.load_checkpoint(start.resume)
+        ctx.log.info(f"restored trainer checkpoint {start.resume} (optimizer step {step})")
+        current = run_dir / "model" / f"resumed-{Path(start.resume).parent.name}"
     set_lr(trainer, config.trainer.lr)
-    first = ctx.world.rank == ctx.ranks["trainer"][0]
     if first:
         trainer.save_hf(current)
-    ctx.mailbox.send({"model_dir": str(current), "setup_s": time.perf_counter() - started}, 0, proto.READY)
-    publisher = None
-    if first:
-        bucket_bytes = int(config.trainer.bucket_mb * 2**20)
-        publisher = WeightPublisher(
-            ctx.weights_group, layout_for(trainer.hf_state_dict().items(), bucket_bytes)
-        )
-    busy_s = rl_loop(config, ctx, trainer, publisher)
-    ctx.mailbox.send({"role": "trainer", "busy_s": busy_s}, 0, proto.STATS)
+    ctx.mailbox.send(Ready(str(current), time.perf_counter() - started), 0, Tag.READY)
+    sender = None
+    if group is not None:
+        announce = announce_to(ctx.mailbox, ctx.ranks["rollout"], Tag.WEIGHTS, WeightAnnouncement)
+        sender = GroupWeightSender.open(group, trainer.hf_state_dict(), config.trainer.bucket_mb, announce)
+    busy_s = rl_loop(config, ctx, trainer, sender)
+    ctx.mailbox.send(RankStats("trainer", busy_s), 0, Tag.STATS)
     ctx.mailbox.flush()

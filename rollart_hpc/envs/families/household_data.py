@@ -94,7 +94,14 @@ def _run_generators(folder: Path, num_procs: int) -> None:
 def _spawn(folder: Path, first: int, last: int, tmp: Path) -> subprocess.Popen[bytes]:
     tmp.mkdir(parents=True)
     env = dict(os.environ, PYTHONHASHSEED="0", TMPDIR=str(tmp))
-    cmd = [sys.executable, "-m", "rollart_hpc.envs.families.household_gen", str(folder), str(first), str(last)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollart_hpc.envs.families.household_gen",
+        str(folder),
+        str(first),
+        str(last),
+    ]
     return subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[3]))
 
 

@@ -1,0 +1,100 @@
+"""The controller rank's side of run checkpoints: when one is due, writing it, resuming from one.
+
+Order of a save: the trainers write their part first (CHECKPOINT -> CHECKPOINTED, each trainer rank);
+then the controller's state and the COMPLETE marker (`controller.checkpoint`), so a checkpoint that a
+reader trusts always holds both parts. A save happens only while no step is with the trainers.
+Resuming restores the core, truncates the HDF5 store and metrics.jsonl back to the checkpoint, and
+queues the tickets that were in flight to be dispatched again, so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rollart_hpc.contracts.protocol import Tag
+from rollart_hpc.controller import checkpoint as ckpt
+from rollart_hpc.controller.state import Controller
+from rollart_hpc.metrics.run_metrics import MetricsWriter, truncate_metrics
+
+
+def checkpoint_due(controller: Controller) -> bool:
+    """A stop was requested, or the periodic interval is reached at a version not yet checkpointed."""
+    every = controller.config.controller.checkpoint_every_steps
+    version = controller.core.version
+    periodic = every > 0 and version % every == 0 and version > controller.last_checkpoint
+    return controller.stop_requested.is_set() or periodic
+
+
+def state_dict(controller: Controller) -> dict[str, Any]:
+    return {
+        "core": controller.core.state_dict(),
+        "store": controller.store.position().as_dict(),
+        "loaded_history": controller.loaded_history,
+        "wall_s": controller.wall_s(),
+    }
+
+
+def save(controller: Controller) -> Path:
+    """Trainers save their part first; the controller's state and the COMPLETE marker come last."""
+    ctx = controller.ctx
+    path = ckpt.step_dir(ctx.run_dir, controller.core.version)
+    path.mkdir(parents=True, exist_ok=True)
+    for rank in ctx.ranks["trainer"]:
+        ctx.mailbox.send(str(path / "trainer"), rank, Tag.CHECKPOINT)
+    for rank in ctx.ranks["trainer"]:
+        ctx.mailbox.wait_for(Tag.CHECKPOINTED, source=rank)
+    ckpt.write_controller_state(path, state_dict(controller))
+    ckpt.prune(ctx.run_dir, controller.config.controller.keep_checkpoints)
+    controller.last_checkpoint = controller.core.version
+    ctx.log.info(f"checkpoint at version {controller.core.version}: {path}")
+    return path
+
+
+def restart_metrics(controller: Controller, version: int) -> None:
+    """metrics.jsonl back to `version`; the kept rows seed the success-by-family summary."""
+    controller.metrics.close()
+    for row in truncate_metrics(controller.ctx.run_dir, version):
+        controller.note_success(row)
+    controller.metrics = MetricsWriter(controller.ctx.run_dir)
+
+
+def start_fresh(controller: Controller) -> None:
+    """No checkpoint: whatever an earlier attempt wrote before its first checkpoint is discarded."""
+    from rollart_hpc.store.trajectories import StorePosition  # h5py
+
+    if controller.store.position().rows:
+        controller.ctx.log.info("no checkpoint in the run directory: starting over")
+    controller.store.truncate_to(StorePosition(0, 0, 0))
+    restart_metrics(controller, 0)
+
+
+def resume(controller: Controller, path: Path) -> None:
+    """Continue from a checkpoint: state back, store and metrics truncated, in-flight tickets queued again."""
+    from rollart_hpc.store.trajectories import StorePosition  # h5py
+
+    state = ckpt.read_controller_state(path)
+    core = controller.core
+    core.load_state_dict(state["core"])
+    controller.store.truncate_to(StorePosition(**state["store"]))
+    restart_metrics(controller, core.version)
+    controller.loaded_history = {int(k): list(v) for k, v in state["loaded_history"].items()}
+    controller.loaded = dict.fromkeys(controller.loaded, core.version)
+    controller.redispatch = list(core.in_flight.values())
+    controller.wall_offset = float(state["wall_s"])
+    controller.last_checkpoint = core.version
+    controller.ctx.log.info(
+        f"resumed from {path}: version {core.version}, {len(controller.redispatch)} trajectories to dispatch again"
+    )
+
+
+def resume_or_start(controller: Controller, run_dir: Path) -> Path | None:
+    """Drop partial checkpoints, then resume from the newest complete one (returned) or start fresh."""
+    for partial in ckpt.discard_incomplete(run_dir):
+        controller.ctx.log.info(f"removed incomplete checkpoint {partial}")
+    path = ckpt.latest(run_dir)
+    if path is not None:
+        resume(controller, path)
+    else:
+        start_fresh(controller)
+    return path

@@ -1,0 +1,149 @@
+"""The controller rank's state and its reactions: results, trained steps, loaded versions, dispatch, batches.
+
+Single-threaded (driven by `controller.loop.run`). Messages are folded into the `ControllerCore`; every
+trajectory that arrives is appended to the HDF5 store, and its final status (trained at version n /
+dropped with cause / failed with cause) is marked there. The controller keeps its own record of which
+env rank holds which episode (`env_of`), so a result frees exactly the slot its dispatch took.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from rollart_hpc.cluster import signals
+from rollart_hpc.cluster.context import RunContext
+from rollart_hpc.cluster.mailbox import Message
+from rollart_hpc.config.schema import Config
+from rollart_hpc.contracts.protocol import Tag
+from rollart_hpc.contracts.records import EpisodeTicket, RankStats, StepReport, Trajectory
+from rollart_hpc.controller.batching import batch_advantages, batch_stats, shard_batch
+from rollart_hpc.controller.core import ControllerCore
+from rollart_hpc.envs.types import Task
+from rollart_hpc.metrics.run_metrics import MetricsWriter, progress_line
+
+if TYPE_CHECKING:
+    from rollart_hpc.store.trajectories import TrajectoryStore
+
+
+class Controller:
+    """What the controller rank holds between messages (see the module docstring)."""
+
+    def __init__(self, config: Config, ctx: RunContext, tasks: list[Task]) -> None:
+        from rollart_hpc.store.trajectories import TrajectoryStore  # h5py
+
+        self.config, self.ctx = config, ctx
+        task_ids = [t.id for t in tasks]
+        self.core = ControllerCore.from_config(config.controller, config.algo, task_ids, config.run.seed)
+        self.store: TrajectoryStore = TrajectoryStore(ctx.run_dir / "trajectories.h5")
+        self.metrics = MetricsWriter(ctx.run_dir)
+        self.env_load = dict.fromkeys(ctx.ranks["env"], 0)
+        self.env_of: dict[str, int] = {}  # episode id -> the env rank it was dispatched to
+        self.loaded = dict.fromkeys(ctx.ranks["rollout"], 0)
+        self.loaded_history: dict[int, list[int]] = {rank: [0] for rank in ctx.ranks["rollout"]}
+        self.trainer_busy = False
+        self.pending_row: dict[str, Any] = {}
+        self.started = time.monotonic()
+        self.busy: dict[str, float] = {}
+        self.first_success: dict[str, float] = {}
+        self.last_success: dict[str, float] = {}
+        self.redispatch: list[EpisodeTicket] = []
+        self.last_checkpoint = 0  # version of the last checkpoint written or resumed from
+        self.wall_offset = 0.0
+        self.stop_requested = signals.STOP_REQUESTED  # SIGUSR1/SIGUSR2: checkpoint, then exit
+
+    # ---- messages -------------------------------------------------------------------------------
+    def handle(self, msg: Message) -> None:
+        if msg.tag == Tag.RESULT:
+            self.on_result(msg.payload)
+        elif msg.tag == Tag.TRAINED:
+            self.on_trained(msg.payload)
+        elif msg.tag == Tag.LOADED:
+            self.loaded[msg.source] = int(msg.payload)
+            self.loaded_history[msg.source].append(int(msg.payload))
+            self.update_rollout_version()
+        elif msg.tag == Tag.STATS:
+            stats: RankStats = msg.payload
+            key = f"{stats.role} rank {msg.source}"
+            self.busy[key] = self.busy.get(key, 0.0) + stats.busy_s
+        else:
+            raise RuntimeError(f"controller: unexpected message tag {msg.tag} from rank {msg.source}")
+
+    def update_rollout_version(self) -> None:
+        # LOADED(n+1) from a rollout rank may overtake TRAINED(n) from the trainer (different sources).
+        self.core.on_rollout_version(min(min(self.loaded.values()), self.core.version))
+
+    def on_result(self, traj: Trajectory) -> None:
+        rank = self.env_of.pop(traj.episode_id, None)
+        if rank is not None:
+            self.env_load[rank] -= 1
+        outcome = self.core.on_result(traj)
+        if outcome == "ignored":
+            return
+        self.store.append([traj], [time.time()])
+        if outcome == "failed":
+            self.store.mark([traj.episode_id], "failed", self.core.version, traj.failure_cause)
+        elif outcome == "dropped":
+            self.store.mark([traj.episode_id], "dropped", self.core.version, "stale")
+
+    def on_trained(self, report: StepReport) -> None:
+        step = report.step
+        ids = list(self.core.training.get(step, []))
+        self.core.on_published(step + 1)
+        self.update_rollout_version()
+        self.store.mark(ids, "trained", step, "")
+        self.trainer_busy = False
+        row = {**self.pending_row, **report.row()}
+        row.update(step=step, version=step + 1, wall_s=self.wall_s())
+        row.update({f"count/{k}": v for k, v in self.counts().items()})
+        self.metrics.log(row)
+        self.note_success(row)
+        self.ctx.log.info(progress_line(row, self.core.num_steps))
+
+    def note_success(self, row: dict[str, Any]) -> None:
+        for key, value in row.items():
+            if key.startswith("train_success/"):
+                self.first_success.setdefault(key.split("/", 1)[1], value)
+                self.last_success[key.split("/", 1)[1]] = value
+
+    def wall_s(self) -> float:
+        return self.wall_offset + time.monotonic() - self.started
+
+    def counts(self) -> dict[str, int]:
+        acc = self.core.accounting()
+        return {
+            "dispatched": acc["dispatched"],
+            "trained": acc["trained"],
+            "in_flight": acc["in_flight"],
+            "dropped": sum(acc["dropped"].values()),
+            "failed": sum(acc["failed"].values()),
+        }
+
+    # ---- actions --------------------------------------------------------------------------------
+    def dispatch(self) -> None:
+        """Send tickets to the least-loaded env ranks while admission and env slots allow."""
+        capacity = self.config.envs.num_slots
+        while True:
+            rank = min(self.env_load, key=lambda r: (self.env_load[r], r))
+            if self.env_load[rank] >= capacity:
+                return
+            ticket = self.redispatch.pop(0) if self.redispatch else self.core.dispatch()
+            if ticket is None:
+                return
+            self.env_load[rank] += 1
+            self.env_of[ticket.episode_id] = rank
+            self.ctx.mailbox.send(ticket, rank, Tag.DISPATCH)
+
+    def train(self, checkpoint_due: bool) -> None:
+        """Hand the next batch to the idle trainers (not while a checkpoint is due)."""
+        if self.trainer_busy or checkpoint_due:
+            return
+        batch = self.core.next_batch()
+        if batch is None:
+            return
+        advantages, diagnostics = batch_advantages(batch, self.config.algo.advantage)
+        trainers = self.ctx.ranks["trainer"]
+        for rank, shard in zip(trainers, shard_batch(batch, advantages, len(trainers)), strict=True):
+            self.ctx.mailbox.send(shard, rank, Tag.BATCH)
+        self.pending_row = {**batch_stats(batch), **{f"adv/{k}": v for k, v in diagnostics.items()}}
+        self.trainer_busy = True

@@ -1,0 +1,31 @@
+"""The run's env families and tasks, built from the `envs` sub-config of the run config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollart_hpc.config.schema import EnvsConfig
+from rollart_hpc.envs.registry import FamilySpec
+from rollart_hpc.envs.types import Task
+
+
+def family_specs(envs: EnvsConfig) -> dict[str, FamilySpec]:
+    """One `FamilySpec` per configured family, with that family's options from the config."""
+    options: dict[str, dict[str, Any]] = {"calc_math": {"max_ops": envs.calc_max_ops}}
+    household: dict[str, Any] = {}
+    if envs.household_types:
+        household["types"] = tuple(envs.household_types)
+    if envs.household_numbered:
+        household["numbered"] = True
+    if household:
+        options["household"] = household
+    return {name: FamilySpec.of(name, **options.get(name, {})) for name in envs.families}
+
+
+def run_tasks(envs: EnvsConfig) -> list[Task]:
+    """The run's tasks: for each family, its first `num_tasks[family]` tasks (all when absent)."""
+    tasks = []
+    for name, spec in family_specs(envs).items():
+        family_tasks = spec.build().tasks()
+        tasks.extend(family_tasks[: envs.num_tasks.get(name, len(family_tasks))])
+    return tasks
