@@ -20,13 +20,13 @@ from typing import Any
 
 from rollart_hpc.cluster.world import World
 from rollart_hpc.contracts.errors import PeerTimeoutError
-from rollart_hpc.contracts.protocol import Tag
+from rollart_hpc.contracts.protocol import ROLE_TAGS, Tag
 
 
 @dataclass(frozen=True)
 class Message:
     source: int
-    tag: int
+    tag: Tag
     payload: Any
 
 
@@ -36,6 +36,9 @@ class Mailbox:
 
         self._mpi = MPI
         self.world = world
+        # Its own communicator (collective: every rank builds its mailbox at the same point), so the
+        # World's rendezvous, barriers and group set-up never meet a role message, nor the reverse.
+        self.comm = world.comm.Dup()
         self.heartbeat_s = heartbeat_s
         now = time.monotonic()
         self.last_heard = {rank: now for rank in watch if rank != world.rank}
@@ -54,7 +57,7 @@ class Mailbox:
         while not self._stop.wait(self.heartbeat_s):
             pending = [r for r in pending if not r.Test()]
             for rank in list(self.last_heard):
-                pending.append(self.world.comm.isend(None, dest=rank, tag=Tag.HEARTBEAT))
+                pending.append(self.comm.isend(None, dest=rank, tag=Tag.HEARTBEAT))
 
     def watch(self, ranks: Iterable[int]) -> None:
         now = time.monotonic()
@@ -66,7 +69,9 @@ class Mailbox:
         self.last_heard.pop(rank, None)
 
     def send(self, payload: Any, dest: int, tag: Tag) -> None:
-        self._pending.append((self.world.comm.isend(payload, dest=dest, tag=tag), dest))
+        if tag not in ROLE_TAGS:
+            raise ValueError(f"{self.world.me}: tag {tag!r} is not a role message tag (contracts.protocol)")
+        self._pending.append((self.comm.isend(payload, dest=dest, tag=tag), dest))
         if len(self._pending) > 64:
             self._pending = [(r, d) for r, d in self._pending if not r.Test()]
 
@@ -78,13 +83,17 @@ class Mailbox:
             self._listening_since = now
         self._last_poll = now
         messages, self._backlog = self._backlog, []
-        while self.world.comm.iprobe(source=self._mpi.ANY_SOURCE, tag=self._mpi.ANY_TAG, status=status):
+        while self.comm.iprobe(source=self._mpi.ANY_SOURCE, tag=self._mpi.ANY_TAG, status=status):
             source, tag = status.Get_source(), status.Get_tag()
-            payload = self.world.comm.recv(source=source, tag=tag)
+            payload = self.comm.recv(source=source, tag=tag)
+            if tag != Tag.HEARTBEAT and tag not in ROLE_TAGS:
+                raise RuntimeError(
+                    f"{self.world.me}: message with unknown tag {tag} from {self.world.plan.describe(source)}"
+                )
             if source in self.last_heard:
                 self.last_heard[source] = time.monotonic()
             if tag != Tag.HEARTBEAT:
-                messages.append(Message(source, tag, payload))
+                messages.append(Message(source, Tag(tag), payload))
         return messages
 
     def wait_for(self, tag: Tag | frozenset[Tag], source: int | None = None) -> Message:

@@ -57,3 +57,7 @@ class Tag(enum.IntEnum):
     BARRIER = 9001
     RENDEZVOUS = 9002
     WEIGHTS_GROUP = 9101
+
+
+# The tags a role loop's `Mailbox` carries (on its own communicator); infrastructure tags never reach it.
+ROLE_TAGS: frozenset[Tag] = frozenset(Tag(value) for value in range(Tag.DISPATCH, Tag.CHECKPOINTED + 1))

@@ -17,6 +17,7 @@ from rollart_hpc.cluster.world import make_world
 from rollart_hpc.config.loader import build
 from rollart_hpc.config.schema import RolesConfig
 from rollart_hpc.contracts.errors import PeerTimeoutError
+from rollart_hpc.contracts.protocol import Tag
 
 TIMEOUT = 4.0
 
@@ -30,19 +31,19 @@ def main() -> None:
     if world.rank == 0:
         mailbox.unwatch(3)
         time.sleep(TIMEOUT + 2)
-        mailbox.send("go", 1, tag=7)
-        result["done"] = mailbox.wait_for(9, source=1).payload
+        mailbox.send("go", 1, tag=Tag.BATCH)
+        result["done"] = mailbox.wait_for(Tag.WEIGHTS, source=1).payload
         mailbox.unwatch(1)
         try:
-            mailbox.wait_for(8)
+            mailbox.wait_for(Tag.TRAINED)
         except PeerTimeoutError as exc:
             result["error"] = str(exc)
     elif world.rank == 1:
         start = time.monotonic()
         while time.monotonic() - start < TIMEOUT + 1:
             pass  # busy: no polling
-        result["got"] = mailbox.wait_for(7).payload
-        mailbox.send("done", 0, tag=9)
+        result["got"] = mailbox.wait_for(Tag.BATCH).payload
+        mailbox.send("done", 0, tag=Tag.WEIGHTS)
         mailbox.flush()
     elif world.rank == 2:
         mailbox.close()  # heartbeats stop: this rank goes silent
