@@ -89,7 +89,9 @@ def test_two_data_parallel_ranks_match_one(tmp_path: Path) -> None:
     assert sft2["loss"] == pytest.approx(sft1["loss"], rel=1e-6)
     assert rl2["loss"] == pytest.approx(rl1["loss"], rel=1e-5)
     assert rl2["grad_norm"] == pytest.approx(rl1["grad_norm"], rel=1e-5)
-    torch.testing.assert_close(dp2["grad"], dp1["grad"], rtol=1e-5, atol=1e-7)
+    # Two ranks sum their gradients in another order than one rank does; under load the BLAS may also split
+    # its sums differently: float32 noise of up to ~1e-6 on single elements, not a different gradient.
+    torch.testing.assert_close(dp2["grad"], dp1["grad"], rtol=1e-5, atol=2e-6)
     initial = load_weights(model_dir)
     assert not torch.equal(dp1["weights"]["model.norm.weight"], initial["model.norm.weight"])
     for name, w1 in dp1["weights"].items():

@@ -13,11 +13,14 @@ Start-up order (no deadlock, every wait bounded):
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from rollart_hpc.cluster.mailbox import Mailbox
+from rollart_hpc.cluster.placement import group_backend
+from rollart_hpc.cluster.plan import RunPlan
 from rollart_hpc.cluster.world import World
 from rollart_hpc.config.schema import ClusterConfig, Config
 
@@ -41,8 +44,9 @@ class RunContext:
         return [self.ranks["trainer"][0], *self.ranks["rollout"]]
 
 
-def torch_backend(cluster: ClusterConfig) -> Literal["gloo", "nccl"]:
-    """The torch.distributed backend of the run's groups (`cluster.torch_backend`, "auto" resolved)."""
-    from rollart_hpc.cluster.torchdist import pick_backend  # torch
+def torch_backend(cluster: ClusterConfig, plan: RunPlan, members: Sequence[int]) -> Literal["gloo", "nccl"]:
+    """The torch.distributed backend of a group of world ranks (`cluster.torch_backend`; "auto" is NCCL
+    when every member has GPUs (`roles.<role>.gpus_per_rank`) and CUDA works here, else gloo)."""
+    import torch
 
-    return "nccl" if pick_backend(cluster.torch_backend) == "nccl" else "gloo"
+    return group_backend(cluster.torch_backend, plan, members, torch.cuda.is_available(), cluster.share_gpus)

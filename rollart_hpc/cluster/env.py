@@ -1,6 +1,7 @@
 """The one reader of the process environment: MPI launcher and SLURM variables.
 
-Everything else receives a `ProcessEnv`; no other module reads OMPI_*, PMI_*, PMIX_* or SLURM_* variables.
+Everything else receives a `ProcessEnv`; no other module reads OMPI_*, PMI_*, PMIX_* or SLURM_* variables,
+nor the GPUs the launcher gave the process (CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class ProcessEnv:
     slurm_step_id: str | None
     slurm_restart_count: int
     slurm_het_group: int | None
+    visible_gpus: tuple[str, ...] | None = None
+    """GPU ids the process may use, in CUDA order (CUDA_VISIBLE_DEVICES, else SLURM_STEP_GPUS); None when
+    neither is set (then every GPU of the machine is visible)."""
 
     @property
     def under_slurm(self) -> bool:
@@ -34,6 +38,14 @@ def _first_int(env: Mapping[str, str], *names: str) -> int | None:
         value = env.get(name)
         if value not in (None, ""):
             return int(value)
+    return None
+
+
+def _gpu_list(env: Mapping[str, str]) -> tuple[str, ...] | None:
+    for name in ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS"):
+        value = env.get(name)
+        if value is not None:
+            return tuple(v.strip() for v in value.split(",") if v.strip())
     return None
 
 
@@ -49,4 +61,5 @@ def read_process_env(env: Mapping[str, str] | None = None) -> ProcessEnv:
         slurm_step_id=env.get("SLURM_STEP_ID") or None,
         slurm_restart_count=_first_int(env, "SLURM_RESTART_COUNT") or 0,
         slurm_het_group=_first_int(env, "SLURM_HET_JOB_ID_SET_INDEX", "SLURM_HET_GROUP"),
+        visible_gpus=_gpu_list(env),
     )

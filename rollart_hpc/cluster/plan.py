@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from rollart_hpc.config.schema import ROLE_NAMES, RolesConfig
+from rollart_hpc.config.schema import ROLE_NAMES, RoleConfig, RolesConfig
 
 
 @dataclass(frozen=True)
@@ -13,6 +13,8 @@ class RoleRange:
     start: int
     num_ranks: int
     partition: str
+    resources: RoleConfig = field(default_factory=RoleConfig, compare=False)
+    """The role's config: GPUs, CPUs and memory per rank, ranks per node, SLURM constraints."""
 
     @property
     def ranks(self) -> range:
@@ -55,14 +57,28 @@ class RunPlan:
             if r.num_ranks:
                 span = f"{r.start}" if r.num_ranks == 1 else f"{r.start}-{r.start + r.num_ranks - 1}"
                 part = f"  partition={r.partition}" if r.partition else ""
-                lines.append(f"  {r.role:<10} ranks {span:<7} ({r.num_ranks}){part}")
+                lines.append(
+                    f"  {r.role:<10} ranks {span:<7} ({r.num_ranks}){part}{resource_text(r.resources)}"
+                )
         return "\n".join(lines)
+
+
+def resource_text(cfg: RoleConfig) -> str:
+    """'  per rank: 1 GPU, 8 CPUs, 64G' ('' when the role asks for nothing)."""
+    parts = []
+    if cfg.gpus_per_rank:
+        parts.append(f"{cfg.gpus_per_rank} GPU{'s' if cfg.gpus_per_rank > 1 else ''}")
+    if cfg.cpus_per_rank:
+        parts.append(f"{cfg.cpus_per_rank} CPU{'s' if cfg.cpus_per_rank > 1 else ''}")
+    if cfg.mem_gb:
+        parts.append(f"{cfg.mem_gb}G")
+    return f"  per rank: {', '.join(parts)}" if parts else ""
 
 
 def make_plan(roles: RolesConfig) -> RunPlan:
     ranges, start = [], 0
     for name in ROLE_NAMES:
         cfg = getattr(roles, name)
-        ranges.append(RoleRange(name, start, cfg.num_ranks, cfg.partition))
+        ranges.append(RoleRange(name, start, cfg.num_ranks, cfg.partition, cfg))
         start += cfg.num_ranks
     return RunPlan(tuple(ranges))

@@ -6,6 +6,12 @@ files. Invariants of a rendered job:
   ranks [start_i, start_i + num_ranks_i) and start_{i+1} = start_i + num_ranks_i. `srun --het-group=0,...,k`
   numbers the tasks of component 0 first, then component 1, ..., so MPI world rank == plan rank.
 - Adjacent roles on the same partition share one component; roles with no ranks get none.
+- Resources (`roles.<role>.gpus_per_rank`, `cpus_per_rank`, `mem_gb`, `ranks_per_node`, `gpu_type`,
+  `constraint`, `sbatch_extra`): a component spans `num_ranks / ranks_per_node` nodes in block order
+  (`--nodes`, `--ntasks-per-node`; one node when no role sets ranks_per_node) and asks, per node, for the
+  GPUs and memory of its busiest node (`--gres=gpu[:type]:G`, `--mem`), and per task for the most cores
+  any of its roles asks (`--cpus-per-task`). Every task of a node sees the node's GPUs, and
+  `cluster.placement` gives each rank its own. A component asks for nothing it was not told to.
 - SLURM never lets two components of one heterogeneous job share a node (measured on Slurm 22.05: such a
   job stays pending), so a plan fits a cluster only if every component can get a node of its own
   from its partition; `check_components_fit` tests that before submitting.
@@ -21,12 +27,12 @@ from __future__ import annotations
 import re
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollart_hpc.cluster.plan import RunPlan
+from rollart_hpc.cluster.plan import RoleRange, RunPlan
 from rollart_hpc.contracts.errors import UsageError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -46,21 +52,58 @@ FINISH_MARKERS: dict[str, str | None] = {"rl": "summary.json", "smoke": None}
 
 @dataclass(frozen=True)
 class HetComponent:
-    """One `#SBATCH hetjob` component: a contiguous block of world ranks on one partition."""
+    """One `#SBATCH hetjob` component: a contiguous block of world ranks on one partition, and what it
+    asks SLURM for (per node: GPUs, memory; per task: cores). `ranks_per_node` 0: one node."""
 
     partition: str
     start: int
     num_ranks: int
     roles: tuple[str, ...]
+    ranks_per_node: int = 0
+    gpus_per_node: int = 0
+    cpus_per_task: int = 0
+    mem_gb_per_node: int = 0
+    gpu_type: str = ""
+    constraint: str = ""
+    extra: tuple[str, ...] = ()
 
     @property
     def ranks(self) -> range:
         return range(self.start, self.start + self.num_ranks)
 
+    @property
+    def tasks_per_node(self) -> int:
+        return self.ranks_per_node or self.num_ranks
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_ranks // self.tasks_per_node
+
+    @property
+    def pins_nodes(self) -> bool:
+        """Whether the script states the node layout (needed for per-node GPU and memory requests)."""
+        return bool(self.ranks_per_node or self.gpus_per_node or self.mem_gb_per_node)
+
+    def node_of(self, rank: int) -> tuple[int, int]:
+        """(node index within the component, local rank) of a world rank, in block order."""
+        return divmod(rank - self.start, self.tasks_per_node)
+
     def describe(self) -> str:
         last = self.start + self.num_ranks - 1
         span = f"rank {self.start}" if last == self.start else f"ranks {self.start}-{last}"
-        return f"{span} on {self.partition or '(default partition)'}: {', '.join(self.roles)}"
+        return (
+            f"{span} on {self.partition or '(default partition)'}: {', '.join(self.roles)}{self.resources()}"
+        )
+
+    def resources(self) -> str:
+        parts = [f"{self.num_nodes} node(s) x {self.tasks_per_node} tasks"] if self.pins_nodes else []
+        if self.gpus_per_node:
+            parts.append(f"{self.gpus_per_node} GPU(s)/node")
+        if self.cpus_per_task:
+            parts.append(f"{self.cpus_per_task} CPU(s)/task")
+        if self.mem_gb_per_node:
+            parts.append(f"{self.mem_gb_per_node}G/node")
+        return f" ({', '.join(parts)})" if parts else ""
 
 
 @dataclass(frozen=True)
@@ -98,19 +141,87 @@ class JobSpec:
 
 def het_components(plan: RunPlan) -> tuple[HetComponent, ...]:
     """Group the plan's rank ranges into contiguous components; adjacent equal partitions merge."""
-    components: list[HetComponent] = []
+    groups: list[list[RoleRange]] = []
     for role in plan.roles:
         if role.num_ranks == 0:
             continue
-        last = components[-1] if components else None
-        if last is not None and last.partition == role.partition:
-            merged = HetComponent(
-                last.partition, last.start, last.num_ranks + role.num_ranks, (*last.roles, role.role)
-            )
-            components[-1] = merged
+        if groups and groups[-1][-1].partition == role.partition:
+            groups[-1].append(role)
         else:
-            components.append(HetComponent(role.partition, role.start, role.num_ranks, (role.role,)))
-    return tuple(components)
+            groups.append([role])
+    return tuple(make_component(plan, group) for group in groups)
+
+
+def single_component(plan: RunPlan, nodes: int) -> HetComponent:
+    """The whole world as one component on `nodes` nodes (a single-partition job)."""
+    world = plan.world_size
+    if nodes < 1 or world % nodes:
+        raise UsageError(f"--nodes {nodes}: the world of {world} ranks must split evenly over the nodes")
+    partitions = plan_partitions(plan)
+    if len(partitions) > 1:
+        raise ValueError(f"a single component runs one partition; the plan has {', '.join(partitions)}")
+    roles = [r for r in plan.roles if r.num_ranks]
+    for role in roles:
+        if role.resources.ranks_per_node and role.resources.ranks_per_node != world // nodes:
+            raise UsageError(
+                f"roles.{role.role}.ranks_per_node: a single-partition job places {world // nodes} ranks per "
+                f"node (--nodes {nodes}); leave it at 0"
+            )
+    return make_component(plan, roles, ranks_per_node=world // nodes if nodes > 1 else 0)
+
+
+def _agreed(roles: list[RoleRange], name: str) -> Any:
+    """The one non-empty value of a per-component field among `roles` (UsageError if two differ)."""
+    values = {r.role: getattr(r.resources, name) for r in roles if getattr(r.resources, name)}
+    if len(set(values.values())) > 1:
+        listed = ", ".join(f"roles.{role}.{name} = {value!r}" for role, value in values.items())
+        raise UsageError(
+            f"{listed}: these roles share one job component (partition order), so set them equal"
+        )
+    return next(iter(values.values()), type(getattr(roles[0].resources, name))())
+
+
+def make_component(plan: RunPlan, roles: list[RoleRange], ranks_per_node: int = 0) -> HetComponent:
+    """A component of consecutive `roles`, with its per-node and per-task requests."""
+    start, num = roles[0].start, sum(r.num_ranks for r in roles)
+    per_node = ranks_per_node or _agreed(roles, "ranks_per_node") or num
+    if num % per_node:
+        names = ", ".join(r.role for r in roles)
+        raise UsageError(
+            f"roles {names} share a job component of {num} ranks, which do not fill nodes of {per_node}"
+        )
+    nodes = [range(start + i, start + i + per_node) for i in range(0, num, per_node)]
+
+    def busiest(amount: str) -> int:
+        return max(sum(getattr(plan.role_of(r).resources, amount) for r in node) for node in nodes)
+
+    extra = tuple(dict.fromkeys(line for r in roles for line in r.resources.sbatch_extra))
+    return HetComponent(
+        roles[0].partition,
+        start,
+        num,
+        tuple(r.role for r in roles),
+        ranks_per_node=ranks_per_node or _agreed(roles, "ranks_per_node"),
+        gpus_per_node=busiest("gpus_per_rank"),
+        cpus_per_task=max(r.resources.cpus_per_rank for r in roles),
+        mem_gb_per_node=busiest("mem_gb"),
+        gpu_type=_agreed(roles, "gpu_type"),
+        constraint=_agreed(roles, "constraint"),
+        extra=extra,
+    )
+
+
+def component_layout(components: tuple[HetComponent, ...]) -> Callable[[int], tuple[str, int]]:
+    """rank -> (node label, local rank) of a job's components: 'train:c1n0' is node 0 of component 1."""
+
+    def node_of(rank: int) -> tuple[str, int]:
+        for index, component in enumerate(components):
+            if rank in component.ranks:
+                node, local = component.node_of(rank)
+                return f"{component.partition or 'default'}:c{index}n{node}", local
+        raise ValueError(f"rank {rank} is in no component")
+
+    return node_of
 
 
 def plan_partitions(plan: RunPlan) -> tuple[str, ...]:
@@ -199,7 +310,47 @@ def component_lines(components: tuple[HetComponent, ...]) -> list[str]:
         if component.partition:
             lines.append(f"#SBATCH --partition={shlex.quote(component.partition)}")
         lines.append(f"#SBATCH --ntasks={component.num_ranks}")
+        lines.extend(f"#SBATCH {option}" for option in resource_options(component))
     return lines
+
+
+def gres(component: HetComponent) -> str:
+    """'gpu:h100:8' (the per-node GPU request), '' without GPUs."""
+    if not component.gpus_per_node:
+        return ""
+    kind = f"{component.gpu_type}:" if component.gpu_type else ""
+    return f"gpu:{kind}{component.gpus_per_node}"
+
+
+def resource_options(component: HetComponent) -> list[str]:
+    """sbatch options of a component's node layout and resources (none when it asks for nothing)."""
+    options = []
+    if component.pins_nodes:
+        options += [f"--nodes={component.num_nodes}", f"--ntasks-per-node={component.tasks_per_node}"]
+    if component.gpus_per_node:
+        options.append(f"--gres={gres(component)}")
+    if component.cpus_per_task:
+        options.append(f"--cpus-per-task={component.cpus_per_task}")
+    if component.mem_gb_per_node:
+        options.append(f"--mem={component.mem_gb_per_node}G")
+    if component.constraint:
+        options.append(f"--constraint={shlex.quote(component.constraint)}")
+    for line in component.extra:
+        key, sep, value = line.partition("=")
+        options.append(f"{key}={shlex.quote(value)}" if sep else key)
+    return options
+
+
+def check_gpus_fit(components: tuple[HetComponent, ...], gpus_by_partition: Mapping[str, int]) -> None:
+    """UsageError when a component asks more GPUs per node than any node of its partition has."""
+    for component in components:
+        have = gpus_by_partition.get(component.partition, 0)
+        if component.gpus_per_node > have:
+            where = repr(component.partition) if component.partition else "(default)"
+            raise UsageError(
+                f"roles {', '.join(component.roles)} ask {component.gpus_per_node} GPUs per node on partition "
+                f"{where}, whose nodes have at most {have}; lower roles.<role>.gpus_per_rank or ranks_per_node"
+            )
 
 
 def plan_line(components: tuple[HetComponent, ...]) -> str:
@@ -214,6 +365,12 @@ def render_hetjob(
     """The sbatch script of a heterogeneous job running `rollart_hpc.entry.worker` on every rank."""
     if len(components) < 2:
         raise ValueError(f"a heterogeneous job needs at least 2 components, got {len(components)}")
+    return render_job(spec, components, template_dir)
+
+
+def render_job(spec: JobSpec, components: tuple[HetComponent, ...], template_dir: Path = TEMPLATE_DIR) -> str:
+    """The sbatch script of a job of one or more components (one srun step over all of them)."""
+    groups = ",".join(str(i) for i in range(len(components)))
     values = {
         "JOB_NAME": shlex.quote(spec.name),
         "OUTPUT": shlex.quote(str(spec.hetjob_output)),
@@ -225,7 +382,7 @@ def render_hetjob(
         "RUN_DIR": shlex.quote(str(spec.run_dir)),
         "MPI_ENV": shlex.quote(str(spec.mpi_env)),
         "PLAN": shlex.quote(plan_line(components)),
-        "HET_GROUPS": ",".join(str(i) for i in range(len(components))),
+        "HET_GROUP_ARG": f"--het-group={groups} " if len(components) > 1 else "",
         "PYTHON": shlex.quote(spec.python),
     }
     return fill_template((template_dir / HETJOB_TEMPLATE).read_text(), values)
@@ -234,11 +391,7 @@ def render_hetjob(
 def submitit_parameters(spec: JobSpec, plan: RunPlan, nodes: int) -> dict[str, Any]:
     """`SlurmExecutor.update_parameters` keywords for a world on one partition, `nodes` nodes."""
     world = plan.world_size
-    if nodes < 1 or world % nodes:
-        raise UsageError(f"--nodes {nodes}: the world of {world} ranks must split evenly over the nodes")
-    partitions = plan_partitions(plan)
-    if len(partitions) > 1:
-        raise ValueError(f"submitit runs one partition; the plan has {', '.join(partitions)}")
+    component = single_component(plan, nodes)
     params: dict[str, Any] = {
         "job_name": spec.name,
         "nodes": nodes,
@@ -249,6 +402,26 @@ def submitit_parameters(spec: JobSpec, plan: RunPlan, nodes: int) -> dict[str, A
         "srun_args": ["--mpi=pmix", "--kill-on-bad-exit=1"],
         "additional_parameters": {"requeue": True},
     }
-    if partitions and partitions[0]:
-        params["partition"] = partitions[0]
+    if component.partition:
+        params["partition"] = component.partition
+    params.update(submitit_resources(component))
+    return params
+
+
+def submitit_resources(component: HetComponent) -> dict[str, Any]:
+    """The component's requests as submitit keywords (extra sbatch lines go to additional_parameters)."""
+    params: dict[str, Any] = {}
+    if component.gpus_per_node:
+        params["gres"] = gres(component)
+    if component.cpus_per_task:
+        params["cpus_per_task"] = component.cpus_per_task
+    if component.mem_gb_per_node:
+        params["mem"] = f"{component.mem_gb_per_node}G"
+    if component.constraint:
+        params["constraint"] = component.constraint
+    for line in component.extra:
+        key, sep, value = line[2:].partition("=")
+        params.setdefault("additional_parameters", {"requeue": True})[key.replace("-", "_")] = (
+            value if sep else True
+        )
     return params

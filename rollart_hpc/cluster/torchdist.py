@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rollart_hpc.cluster.placement import group_backend
 from rollart_hpc.cluster.world import World, rendezvous_address
 from rollart_hpc.config.schema import ROLE_NAMES
 from rollart_hpc.contracts.errors import PeerTimeoutError
@@ -49,15 +50,11 @@ def timed_wait(work: Any, world: World, what: str, ranks: list[int]) -> None:
         ) from None
 
 
-def pick_backend(requested: str) -> str:
-    if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return requested
-
-
 def init_torch_groups(world: World, requested_backend: str) -> TorchGroups:
-    """Create the default process group from an MPI rendezvous, then the role and weights groups."""
-    backend = pick_backend(requested_backend)
+    """Create the default process group from an MPI rendezvous, then the role and weights groups.
+    'auto' is NCCL only when every rank of the world has GPUs (`cluster.placement.group_backend`)."""
+    everyone = range(world.plan.world_size)
+    backend = group_backend(requested_backend, world.plan, everyone, torch.cuda.is_available())
     host, port = rendezvous_address(world)
     timeout = dt.timedelta(seconds=world.timeout_s)
     dist.init_process_group(

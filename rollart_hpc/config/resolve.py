@@ -42,6 +42,22 @@ def check_invariants(config: Config) -> None:
         for name in RL_SECTIONS:
             if getattr(config, name) != type(getattr(config, name))():
                 raise UsageError(f"{name}: options set but run.job is 'smoke'; remove them")
+    check_role_resources(config)
+
+
+def check_role_resources(config: Config) -> None:
+    """Thread counts fit the cores a rank gets; a vLLM engine's tensor parallel group fits its GPUs."""
+    for section in ("rollout", "trainer"):
+        threads, cpus = getattr(config, section).num_threads, getattr(config.roles, section).cpus_per_rank
+        if cpus and threads > cpus:
+            raise UsageError(
+                f"{section}.num_threads: {threads} threads exceed roles.{section}.cpus_per_rank = {cpus}"
+            )
+    gpus, tp = config.roles.rollout.gpus_per_rank, config.rollout.tensor_parallel_size
+    if gpus and tp > gpus:
+        raise UsageError(
+            f"rollout.tensor_parallel_size: {tp} needs roles.rollout.gpus_per_rank >= {tp}, got {gpus}"
+        )
 
 
 def world_size(config: Config) -> int:

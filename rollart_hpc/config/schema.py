@@ -7,6 +7,7 @@ the selected `run.job` must be left at their defaults: an option with no effect 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,14 +33,70 @@ class RunConfig:
             raise UsageError(f"{path}.name: {self.name!r} must be non-empty with no slashes or newlines")
 
 
+# sbatch options that `launch.py submit` renders from a role's fields; `sbatch_extra` may not set them.
+RENDERED_SBATCH_OPTIONS = (
+    "partition", "ntasks", "nodes", "ntasks-per-node", "gres", "gpus", "gpus-per-task", "gpus-per-node",
+    "cpus-per-task", "mem", "mem-per-cpu", "mem-per-gpu", "constraint", "job-name", "output", "time",
+    "signal", "requeue", "open-mode", "hetjob",
+)  # fmt: skip
+SBATCH_EXTRA = re.compile(r"--([a-z][a-z0-9-]*)(=\S+)?")
+SLURM_WORD = re.compile(r"[A-Za-z0-9_.\-]+")
+SLURM_CONSTRAINT = re.compile(r"[A-Za-z0-9_.\-&|\[\]()*,]+")
+
+
 @dataclass(frozen=True)
 class RoleConfig:
     num_ranks: int = doc_field(1, "Number of MPI ranks that take this role.")
     partition: str = doc_field("", "SLURM partition for this role's ranks ('' = the job's default).")
+    gpus_per_rank: int = doc_field(
+        0,
+        "GPUs of one rank (0 = the rank runs on CPU). Ranks of a node get distinct GPUs (cluster/placement).",
+    )
+    cpus_per_rank: int = doc_field(
+        0,
+        "CPU cores of one rank: SLURM --cpus-per-task (the most of a job component's roles), torch/OMP "
+        "threads of the rank, and locally an affinity mask of that many cores (0 = no request, no pinning).",
+    )
+    mem_gb: int = doc_field(
+        0,
+        "Memory of one rank, GiB; a job component asks --mem for the sum over its busiest node (0 = default).",
+    )
+    ranks_per_node: int = doc_field(
+        0,
+        "SLURM: ranks of this role's job component per node (--ntasks-per-node; the roles of one component "
+        "must agree). 0 = the component's ranks share one node.",
+    )
+    gpu_type: str = doc_field("", "SLURM GPU type in the gres request, e.g. 'h100' -> --gres=gpu:h100:N.")
+    constraint: str = doc_field("", "SLURM --constraint (node features), e.g. 'h100&ib'.")
+    sbatch_extra: list[str] = doc_field(
+        [], "Extra sbatch options of this role's job component, e.g. ['--account=proj', '--qos=high']."
+    )
 
     def validate(self, path: str) -> None:
         if self.num_ranks < 0:
             raise UsageError(f"{path}.num_ranks: must be >= 0, got {self.num_ranks}")
+        for name in ("gpus_per_rank", "cpus_per_rank", "mem_gb", "ranks_per_node"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{path}.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.gpu_type and not SLURM_WORD.fullmatch(self.gpu_type):
+            raise UsageError(f"{path}.gpu_type: {self.gpu_type!r} must be one word (letters, digits, _ . -)")
+        if self.gpu_type and not self.gpus_per_rank:
+            raise UsageError(f"{path}.gpu_type: set, but {path}.gpus_per_rank is 0; remove it")
+        if self.constraint and not SLURM_CONSTRAINT.fullmatch(self.constraint):
+            raise UsageError(f"{path}.constraint: {self.constraint!r} is not a SLURM feature expression")
+        for line in self.sbatch_extra:
+            check_sbatch_extra(f"{path}.sbatch_extra", line)
+
+
+def check_sbatch_extra(path: str, line: str) -> None:
+    """One `--option[=value]` sbatch line that `launch.py submit` does not render itself."""
+    match = SBATCH_EXTRA.fullmatch(line)
+    if match is None:
+        raise UsageError(f"{path}: {line!r} is not of the form --option or --option=value (no spaces)")
+    if match.group(1) in RENDERED_SBATCH_OPTIONS:
+        raise UsageError(
+            f"{path}: {line!r} sets --{match.group(1)}, which submit renders from the role's fields"
+        )
 
 
 @dataclass(frozen=True)
@@ -64,10 +121,22 @@ class ClusterConfig:
         120.0, "Longest wait on another rank (receive, collective) before an error."
     )
     torch_backend: Literal["auto", "gloo", "nccl"] = doc_field(
-        "auto", "torch.distributed backend: 'auto' is NCCL when CUDA is available, else gloo."
+        "auto",
+        "torch.distributed backend: 'auto' is NCCL for a group whose members all have GPUs "
+        "(roles.<role>.gpus_per_rank) when CUDA is available, else gloo.",
     )
     launch_timeout_s: float = doc_field(
         0.0, "Local launcher: end the whole world after this long (0 = never)."
+    )
+    share_gpus: bool = doc_field(
+        False,
+        "Ranks of a node may share GPUs: when a node has fewer GPUs than its ranks ask for, GPU slots wrap "
+        "around (e.g. the trainer and a vLLM rollout on one GPU). Off: every rank gets GPUs of its own.",
+    )
+    require_cuda: bool = doc_field(
+        True,
+        "A rank given GPUs (roles.<role>.gpus_per_rank) fails when torch sees no CUDA device; false: it "
+        "warns and runs on CPU (the local SLURM test cluster's fake GPUs).",
     )
 
     def validate(self, path: str) -> None:

@@ -7,6 +7,10 @@ The config is resolved exactly as for `run` and written to the run dir. Roles ma
 - several partitions: a heterogeneous job rendered from `slurm/templates/hetjob.sbatch.in` (see
   `rollart_hpc.cluster.sbatch`), submitted with `sbatch`; one `srun --het-group` step is the MPI world.
 After submission `run_dir/slurm_job.json` (written atomically) records the job id, mode and log paths.
+`--dry-run` prints the job and, as `#` comment lines, every rank's predicted node and device
+(`cluster.placement`); with `--out FILE` it writes the script (for a single partition too: one component,
+no submitit) and prepares the run dir instead, for `sbatch FILE`. A job that asks a partition for more GPUs
+per node than its nodes have is refused before sbatch, in one line.
 
 Stops and requeues (both modes): a stop signal (SIGUSR1/SIGUSR2: `--signal`, preemption notice,
 `scancel --signal=USR2 JOB`) makes the controller checkpoint and stop the whole world with exit 0 and no
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,7 +43,7 @@ from rollart_hpc.contracts.errors import UsageError
 
 if TYPE_CHECKING:
     from rollart_hpc.cluster.plan import RunPlan
-    from rollart_hpc.cluster.sbatch import JobSpec
+    from rollart_hpc.cluster.sbatch import HetComponent, JobSpec
 
 JOB_RECORD = "slurm_job.json"
 SBATCH_TIMEOUT_S = 60.0
@@ -49,7 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. roles.trainer.partition=train")
     parser.add_argument("--run-dir", help="run directory (default: runs/<run.name>-<timestamp>)")
     parser.add_argument(
-        "--dry-run", action="store_true", help="print the sbatch script or submitit parameters"
+        "--dry-run",
+        action="store_true",
+        help="print the sbatch script (or submitit parameters) and every rank's node and device",
+    )
+    parser.add_argument(
+        "--out",
+        help="with --dry-run: write the job script to this file and the resolved config to the run dir, "
+        "so that `sbatch FILE` runs it as is",
     )
     parser.add_argument("--time-min", type=int, default=60, help="job time limit in minutes (default 60)")
     parser.add_argument(
@@ -126,8 +138,8 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(
                 "--nodes applies to single-partition jobs; hetjob components get nodes from SLURM"
             )
-        return submit_hetjob(spec, plan, config, args.dry_run)
-    return submit_single(spec, plan, config, args.nodes, args.dry_run)
+        return submit_hetjob(spec, plan, config, args.dry_run, args.out)
+    return submit_single(spec, plan, config, args.nodes, args.dry_run, args.out)
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -135,6 +147,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--time-min must be >= 1, got {args.time_min}")
     if args.max_requeues < 0:
         raise UsageError(f"--max-requeues must be >= 0, got {args.max_requeues}")
+    if args.out and not args.dry_run:
+        raise UsageError("--out writes the job script instead of submitting it: add --dry-run")
 
 
 def require_slurm() -> None:
@@ -152,17 +166,23 @@ def prepare_run_dir(config: Any, run_dir: Path) -> None:
     write_resolved(config, run_dir)
 
 
-def submit_hetjob(spec: JobSpec, plan: RunPlan, config: Any, dry_run: bool) -> int:
-    from rollart_hpc.cluster.sbatch import HETJOB_SCRIPT, check_components_fit, het_components, render_hetjob
+def submit_hetjob(spec: JobSpec, plan: RunPlan, config: Any, dry_run: bool, out: str | None = None) -> int:
+    from rollart_hpc.cluster.sbatch import (
+        HETJOB_SCRIPT,
+        check_components_fit,
+        check_gpus_fit,
+        het_components,
+        render_hetjob,
+    )
     from rollart_hpc.contracts.atomic import atomic_write_bytes
 
     components = het_components(plan)
     script = render_hetjob(spec, components)
     if dry_run:
-        print(script, end="")
-        return 0
+        return show_dry_run(spec, plan, config, components, script, out)
     require_slurm()
     check_components_fit(components, partition_nodes())
+    check_gpus_fit(components, partition_gpus())
     prepare_run_dir(config, spec.run_dir)
     script_path = spec.run_dir / HETJOB_SCRIPT
     atomic_write_bytes(script_path, script.encode())
@@ -175,6 +195,60 @@ def submit_hetjob(spec: JobSpec, plan: RunPlan, config: Any, dry_run: bool) -> i
         for c in components
     ]
     return finish(spec, record)
+
+
+def show_dry_run(
+    spec: JobSpec,
+    plan: RunPlan,
+    config: Any,
+    components: tuple[HetComponent, ...],
+    script: str | None,
+    out: str | None,
+) -> int:
+    """Print (or with `out`, write and prepare the run dir for) the job with every rank's placement."""
+    from rollart_hpc.cluster.sbatch import render_job
+    from rollart_hpc.contracts.atomic import atomic_write_bytes
+
+    if out is None:
+        print(job_text(plan, components, script or ""), end="")
+        return 0
+    text = job_text(plan, components, script or render_job(spec, components))
+    atomic_write_bytes(Path(out), text.encode())
+    prepare_run_dir(config, spec.run_dir)
+    print(text[text.index("# placement") :], end="")
+    print(f"# wrote {Path(out).resolve()}; run dir {spec.run_dir} holds the resolved config")
+    print(f"# submit it as is: sbatch {shlex.quote(str(Path(out).resolve()))}")
+    return 0
+
+
+def job_text(plan: RunPlan, components: tuple[HetComponent, ...], script: str) -> str:
+    """The job script followed by every rank's predicted placement as comment lines (what dry runs show)."""
+    from rollart_hpc.cluster.placement import check_distinct, placement_table, predict
+    from rollart_hpc.cluster.sbatch import component_layout
+
+    placements = predict(plan, component_layout(components), ())
+    check_distinct(placements)
+    return script + "".join(f"# {line}\n" for line in placement_table(placements).splitlines())
+
+
+def partition_gpus() -> dict[str, int]:
+    """The most GPUs one node of each partition has (sinfo's gres); the default partition also as ''."""
+    proc = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%P %G"],
+        capture_output=True,
+        text=True,
+        timeout=SBATCH_TIMEOUT_S,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise UsageError(f"sinfo failed: {proc.stderr.strip()}")
+    gpus: dict[str, int] = {}
+    for line in proc.stdout.splitlines():
+        partition, gres = line.split(maxsplit=1)
+        count = sum(int(g.split("(")[0].split(":")[-1]) for g in gres.split(",") if g.startswith("gpu:"))
+        for name in [partition.rstrip("*")] + ([""] if partition.endswith("*") else []):
+            gpus[name] = max(gpus.get(name, 0), count)
+    return gpus
 
 
 def partition_nodes() -> dict[str, list[str]]:
@@ -208,25 +282,37 @@ def sbatch(script_path: Path) -> str:
         check=False,
     )
     if proc.returncode != 0:
-        raise UsageError(f"sbatch refused {script_path}: {proc.stderr.strip() or proc.stdout.strip()}")
+        said = "; ".join(line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip())
+        raise UsageError(f"sbatch refused {script_path}: {said}")
     job_id = proc.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         raise RuntimeError(f"sbatch printed no job id: {proc.stdout!r}")
     return job_id
 
 
-def submit_single(spec: JobSpec, plan: RunPlan, config: Any, nodes: int, dry_run: bool) -> int:
-    from rollart_hpc.cluster.sbatch import check_single_fit, submitit_parameters
+def submit_single(
+    spec: JobSpec, plan: RunPlan, config: Any, nodes: int, dry_run: bool, out: str | None = None
+) -> int:
+    from rollart_hpc.cluster.sbatch import (
+        check_gpus_fit,
+        check_single_fit,
+        single_component,
+        submitit_parameters,
+    )
 
     params = submitit_parameters(spec, plan, nodes)
+    component = single_component(plan, nodes)
     if dry_run:
-        print(
-            f"submitit SlurmExecutor(folder={str(spec.submitit_folder)!r}, max_num_timeout={spec.max_requeues})"
-        )
-        print(json.dumps(params, indent=1, sort_keys=True))
+        show_dry_run(spec, plan, config, (component,), None, out)
+        if out is None:
+            print(
+                f"submitit SlurmExecutor(folder={str(spec.submitit_folder)!r}, max_num_timeout={spec.max_requeues})"
+            )
+            print(json.dumps(params, indent=1, sort_keys=True))
         return 0
     require_slurm()
     check_single_fit(params.get("partition", ""), nodes, partition_nodes())
+    check_gpus_fit((component,), partition_gpus())
     prepare_run_dir(config, spec.run_dir)
     job_id, logs = submitit_submit(spec, params)
     record = job_record(spec, plan, "submitit", job_id, logs)

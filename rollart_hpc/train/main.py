@@ -58,7 +58,7 @@ def init_trainer_group(ctx: RunContext) -> None:
     else:
         address = ctx.world.recv(first, tag=Tag.TRAINER_RENDEZVOUS)
     dist.init_process_group(
-        torch_backend(ctx.config.cluster),
+        torch_backend(ctx.config.cluster, ctx.world.plan, trainers),
         init_method=f"tcp://{address[0]}:{address[1]}",
         rank=trainers.index(ctx.world.rank),
         world_size=len(trainers),

@@ -89,7 +89,10 @@ def join_run_weight_group(ctx: RunContext) -> StandaloneGroup | None:
     """This rank's membership of a run's weights group (the first trainer, then every rollout rank), None
     on other ranks. Members call it first thing, before any other collective."""
     return join_weight_group(
-        ctx.world, ctx.weight_members, torch_backend(ctx.config.cluster), ctx.world.timeout_s
+        ctx.world,
+        ctx.weight_members,
+        torch_backend(ctx.config.cluster, ctx.world.plan, ctx.weight_members),
+        ctx.world.timeout_s,
     )
 
 
