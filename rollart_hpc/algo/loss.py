@@ -22,7 +22,7 @@ the DP size when the wrapper averages). Diagnostics sum to global means; max |A|
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
@@ -53,23 +53,10 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class LossConfig:
-    """PPO-clip with asymmetric clip, negative dual-clip and behaviour-policy importance weights.
-
-    clip_low / clip_high: ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO 0.2 / 0.28).
-    dual_clip_c: per-token loss capped at -c*A for A < 0 (SPO++ 2, SPO 10); None disables.
-    is_cap: cap on the behaviour weight exp(old - behaviour) (SPO++ 2); None leaves it unbounded.
-    decoupled: False truncates the weight at is_cap; True is AReaL's decoupled PPO, which drops tokens
-        whose weight exceeds is_cap and keeps the others' weights untruncated (needs is_cap).
-    log_ratio_clamp: log-ratios are clamped to +-this before exp (verl uses 20).
-    """
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip_c: float | None = 2.0
-    is_cap: float | None = 2.0
-    decoupled: bool = False
-    log_ratio_clamp: float = 20.0
+class LossConfig(KernelLossConfig):
+    """The algorithm's loss parameters: the fields and their checks are the kernels' `KernelLossConfig`
+    (asymmetric clip 0.2 / 0.28 as in DAPO, dual clip and behaviour-weight cap 2 as in SPO++, log-ratio
+    clamp 20 as in verl); this type adds the construction from the run config."""
 
     @classmethod
     def from_config(cls, algo: AlgoConfig) -> LossConfig:
@@ -78,19 +65,9 @@ class LossConfig:
             clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip_c=algo.dual_clip_c, is_cap=algo.is_cap
         )
 
-    def __post_init__(self) -> None:
-        self.to_kernel()  # the kernel config validates the values (ValueError)
-
     def to_kernel(self) -> KernelLossConfig:
-        """The same parameters as the kernels' config type."""
-        return KernelLossConfig(
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            dual_clip_c=self.dual_clip_c,
-            is_cap=self.is_cap,
-            decoupled=self.decoupled,
-            log_ratio_clamp=self.log_ratio_clamp,
-        )
+        """The same parameters as the kernels' own type."""
+        return KernelLossConfig(**{f.name: getattr(self, f.name) for f in fields(KernelLossConfig)})
 
 
 class LossBatch(Protocol):
