@@ -1,13 +1,18 @@
 """Run checkpoint directories: only complete ones count; partial ones are discarded at start; pruning."""
 
+from pathlib import Path
+
+from rollart_hpc.config import load_config
 from rollart_hpc.controller import checkpoint as ckpt
+
+CONFIG = load_config(Path(__file__).resolve().parent.parent / "configs" / "tiny.toml")
 
 
 def make(run_dir, version, complete):
     path = ckpt.step_dir(run_dir, version)
     (path / "trainer").mkdir(parents=True)
     if complete:
-        ckpt.write_controller_state(path, {"core": {"version": version}})
+        ckpt.write_controller_state(path, {"core": {"version": version}}, CONFIG)
     return path
 
 

@@ -9,12 +9,16 @@ resumed run truncates the store and `metrics.jsonl` back to that point, so nothi
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import pickle
 import shutil
 from pathlib import Path
 from typing import Any
 
+from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.atomic import atomic_write_bytes, atomic_write_json
+from rollart_hpc.contracts.errors import UsageError
 
 COMPLETE = "COMPLETE"
 CONTROLLER_STATE = "controller.pkl"
@@ -38,18 +42,89 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def write_controller_state(path: Path, state: dict[str, Any]) -> None:
-    """Controller part of a checkpoint; marks the checkpoint complete (the trainer part is already there)."""
+# Config fields a checkpoint depends on: its weights' shapes, its task ids, its tracker and sampler state,
+# the meaning of its step and version counts. A checkpoint is only resumed under the same values.
+FINGERPRINT_SECTIONS = (
+    "run.seed",
+    "model",
+    "envs.families",
+    "envs.num_tasks",
+    "envs.calc_max_ops",
+    "envs.household_types",
+    "envs.household_numbered",
+    "algo",
+    "controller.mode",
+    "controller.batch_size",
+    "controller.max_staleness",
+)
+
+
+def config_fingerprint(config: Config) -> dict[str, Any]:
+    """Dotted field -> value for every field under FINGERPRINT_SECTIONS (JSON-ready)."""
+    flat: dict[str, Any] = {}
+    for dotted in FINGERPRINT_SECTIONS:
+        value: Any = config
+        for part in dotted.split("."):
+            value = getattr(value, part)
+        is_section = dataclasses.is_dataclass(value) and not isinstance(value, type)
+        _flatten(dotted, dataclasses.asdict(value) if is_section else value, flat)
+    return json.loads(json.dumps(flat))
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, dict) and not prefix.endswith("num_tasks"):
+        for key, inner in value.items():
+            _flatten(f"{prefix}.{key}", inner, out)
+    else:
+        out[prefix] = value
+
+
+def check_fingerprint(path: Path, config: Config) -> None:
+    """UsageError (one line) when the checkpoint was written under other values of the fields that matter."""
+    marker = json.loads((path / COMPLETE).read_text())
+    saved = marker.get("config")
+    if saved is None:
+        return  # written before checkpoints carried a fingerprint
+    current = config_fingerprint(config)
+    differ = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+    if differ:
+        key = differ[0]
+        more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+        raise UsageError(
+            f"checkpoint {path} is from another config: {key} was {saved.get(key)!r}, "
+            f"the run's config says {current.get(key)!r}{more}"
+        )
+
+
+def write_controller_state(path: Path, state: dict[str, Any], config: Config) -> None:
+    """Controller part of a checkpoint; marks the checkpoint complete (the trainer part is already there).
+    The marker carries the config fingerprint that `check_fingerprint` compares on resume."""
     atomic_write_bytes(path / CONTROLLER_STATE, pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
-    atomic_write_json(path / COMPLETE, {"version": state["core"]["version"]})
+    atomic_write_json(
+        path / COMPLETE, {"version": state["core"]["version"], "config": config_fingerprint(config)}
+    )
 
 
 def read_controller_state(path: Path) -> dict[str, Any]:
     if not complete(path):
         raise ValueError(f"checkpoint {path} is incomplete (no {COMPLETE} marker)")
-    with (path / CONTROLLER_STATE).open("rb") as fh:
-        state: dict[str, Any] = pickle.load(fh)
+    try:
+        with (path / CONTROLLER_STATE).open("rb") as fh:
+            state: dict[str, Any] = pickle.load(fh)
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as exc:
+        raise UsageError(f"{path / CONTROLLER_STATE}: unreadable controller state ({exc})") from None
     return state
+
+
+def check_resumable(run_dir: Path, config: Config, path: Path) -> None:
+    """Before a resume changes anything: the checkpoint at `path` belongs to this config, its controller
+    state reads, and the trajectory store holds everything the checkpoint counts. UsageError otherwise."""
+    from rollart_hpc.store.trajectories import StorePosition  # h5py
+    from rollart_hpc.store.trajectories import check_resumable as check_store
+
+    check_fingerprint(path, config)
+    state = read_controller_state(path)
+    check_store(run_dir / "trajectories.h5", StorePosition(**state["store"]))
 
 
 def discard_incomplete(run_dir: Path) -> list[Path]:

@@ -44,7 +44,7 @@ def save(controller: Controller) -> Path:
         ctx.mailbox.send(str(path / "trainer"), rank, Tag.CHECKPOINT)
     for rank in ctx.ranks["trainer"]:
         ctx.mailbox.wait_for(Tag.CHECKPOINTED, source=rank)
-    ckpt.write_controller_state(path, state_dict(controller))
+    ckpt.write_controller_state(path, state_dict(controller), controller.config)
     ckpt.prune(ctx.run_dir, controller.config.controller.keep_checkpoints)
     controller.last_checkpoint = controller.core.version
     ctx.log.info(f"checkpoint at version {controller.core.version}: {path}")
@@ -73,6 +73,7 @@ def resume(controller: Controller, path: Path) -> None:
     """Continue from a checkpoint: state back, store and metrics truncated, in-flight tickets queued again."""
     from rollart_hpc.store.trajectories import StorePosition  # h5py
 
+    ckpt.check_fingerprint(path, controller.config)
     state = ckpt.read_controller_state(path)
     core = controller.core
     core.load_state_dict(state["core"])

@@ -5,6 +5,13 @@ session with the plan's world size (oversubscription allowed). It tracks the mpi
 rank's pid (each rank writes `pids/rank-<r>.pid`). When a rank fails it aborts the world; the launcher
 then names the failing rank and role from `failures/`, makes sure every tracked process is gone, and
 exits non-zero. Ctrl-C or the launch timeout end the whole world the same way.
+
+The world is over when a rank failed, a rank died without a word (its pid is gone and it neither wrote
+`pids/rank-<r>.exit` nor a failure report), or every rank is gone; mpiexec then gets a few seconds to exit
+before the launcher ends it (a helper process holding a rank's output pipe would otherwise keep it
+waiting forever). Last, each rank's process group is killed, so nothing a rank started outlives the
+world (see also `cluster/lifetime.py`). With `--max-restarts N` a failed world is restarted from its
+last checkpoint (`entry/restarts.py`).
 """
 
 from __future__ import annotations
@@ -18,8 +25,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.entry import restarts
+from rollart_hpc.entry.restarts import WorldOutcome
+
+if TYPE_CHECKING:
+    from rollart_hpc.config.schema import Config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6")
     parser.add_argument("--run-dir", help="run directory (default: runs/<run.name>-<timestamp>)")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved plan and exit")
+    restarts.add_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -34,20 +48,44 @@ def main(args: argparse.Namespace) -> int:
     from rollart_hpc.config import load_config, write_resolved
 
     config = load_config(args.config, args.overrides)
+    max_restarts = restarts.checked_count(args.max_restarts)
     plan = make_plan(config.roles)
     if args.dry_run:
+        from rollart_hpc.cluster.placement import placement_table, predict_local
+
         print(f"run {config.run.name!r} job {config.run.job!r}")
         print(plan.table())
+        print(placement_table(predict_local(plan)))
         return 0
     run_dir = Path(args.run_dir or f"runs/{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     held = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
     if held:
         raise UsageError(f"run dir {run_dir} already holds a run ({', '.join(held)}); choose a new --run-dir")
-    if (run_dir / "failures").exists():
-        shutil.rmtree(run_dir / "failures")
+    check_inputs(config)
     write_resolved(config, run_dir)
     print(f"run dir {run_dir}\n{plan.table()}", flush=True)
-    return run_world(run_dir, plan.world_size, config.cluster.launch_timeout_s)
+    timeout_s = config.cluster.launch_timeout_s
+    return restarts.run_with_restarts(
+        run_dir,
+        lambda: run_world_outcome(run_dir, plan.world_size, timeout_s),
+        max_restarts,
+        lambda: restarts.check_resumable_run(run_dir, config),
+    )
+
+
+def check_inputs(config: Config) -> None:
+    """The files a run reads, checked before the run directory is written: UsageError, one line."""
+    if config.model.source == "path":
+        from rollart_hpc.models.validate import check_model_dir
+
+        check_model_dir(config.model.path)
+    if config.run.job == "rl" and "household" in config.envs.families:
+        from rollart_hpc.envs.families.household_data import load_manifest
+
+        try:
+            load_manifest()
+        except FileNotFoundError as exc:
+            raise UsageError(str(exc)) from None
 
 
 # Files whose presence means a run directory already holds a run's results.
@@ -80,22 +118,30 @@ def mpi_environment() -> dict[str, str]:
 
 
 def run_world(run_dir: Path, world_size: int, timeout_s: float = 0.0) -> int:
-    """Start mpiexec, wait for it, then report failures and reap every tracked process."""
+    """Start mpiexec, wait for it, then report failures and reap every tracked process; the exit code."""
+    return run_world_outcome(run_dir, world_size, timeout_s).code
+
+
+def run_world_outcome(run_dir: Path, world_size: int, timeout_s: float = 0.0) -> WorldOutcome:
+    """`run_world`, returning the outcome (for `--max-restarts`)."""
     (run_dir / "pids").mkdir(parents=True, exist_ok=True)
-    for stale in (run_dir / "pids").glob("rank-*.pid"):
+    for stale in (*(run_dir / "pids").glob("rank-*.pid"), *(run_dir / "pids").glob("rank-*.exit")):
         stale.unlink()
+    if (run_dir / "failures").exists():  # an earlier attempt's reports (resume) are not this world's
+        shutil.rmtree(run_dir / "failures")
     proc = subprocess.Popen(
         mpiexec_command(world_size, run_dir), env=mpi_environment(), start_new_session=True
     )
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
     reason = None
-    vanished: list[int] = []  # ranks whose process ended, in the order the launcher saw it
+    watch = WorldWatch(run_dir, world_size)
     # mpiexec runs in its own session, so a SIGTERM/SIGHUP that kills only the launcher would orphan the
     # world: turn them into the same orderly stop as Ctrl-C.
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while proc.poll() is None:
-            note_vanished(run_dir, vanished)
+            if watch.poll():
+                break  # the world is over but mpiexec lingers (a pipe held open): end it below
             if deadline is not None and time.monotonic() > deadline:
                 reason = f"launch timeout of {timeout_s:g}s reached"
                 break
@@ -107,10 +153,58 @@ def run_world(run_dir: Path, world_size: int, timeout_s: float = 0.0) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if reason is not None:
+    if proc.poll() is None:
         stop_session(proc)
     leftovers = reap_ranks(run_dir)
-    return report(run_dir, proc.returncode, reason, leftovers, vanished)
+    code = report(run_dir, proc.returncode, reason, leftovers, watch)
+    return WorldOutcome(code, failure_cause(run_dir, watch) if code else None, reason is not None)
+
+
+# Seconds mpiexec gets to exit by itself once the world is over (a rank gone without a word, a rank failed,
+# or every rank finished) before the launcher ends it.
+WORLD_END_GRACE_S = 3.0
+
+
+class WorldWatch:
+    """Watches the ranks' pid files: which rank processes ended, in order, and whether each finished."""
+
+    def __init__(self, run_dir: Path, world_size: int) -> None:
+        self.run_dir, self.world_size = run_dir, world_size
+        self.vanished: list[int] = []  # ranks whose process ended, in the order the launcher saw it
+        self.vanished_at: dict[int, float] = {}  # rank -> wall time the launcher saw it gone
+        self.over_since: float | None = None
+
+    def finished(self, rank: int) -> bool:
+        return exit_marker(self.run_dir, rank).exists()
+
+    def silent_deaths(self) -> list[int]:
+        """Ranks that ended without finishing their main and without writing a failure report."""
+        failed = failure_ranks(self.run_dir)
+        return [r for r in self.vanished if not self.finished(r) and r not in failed]
+
+    def over(self) -> bool:
+        everyone_gone = len(self.vanished) == self.world_size
+        return everyone_gone or bool(self.silent_deaths()) or bool(failure_ranks(self.run_dir))
+
+    def poll(self) -> bool:
+        """Update; True once the world has been over for WORLD_END_GRACE_S (mpiexec should be gone)."""
+        note_vanished(self.run_dir, self.vanished)
+        for rank in self.vanished:
+            self.vanished_at.setdefault(rank, time.time())
+        if self.over_since is None and self.over():
+            self.over_since = time.monotonic()
+        return self.over_since is not None and time.monotonic() - self.over_since > WORLD_END_GRACE_S
+
+    def all_finished(self) -> bool:
+        return all(self.finished(r) for r in range(self.world_size))
+
+
+def exit_marker(run_dir: Path, rank: int) -> Path:
+    return run_dir / "pids" / f"rank-{rank}.exit"  # written by entry/worker.py when a rank's main returns
+
+
+def failure_ranks(run_dir: Path) -> set[int]:
+    return {int(p.stem.split("-")[1]) for p in (run_dir / "failures").glob("rank-*.json")}
 
 
 class _TerminatedError(Exception):
@@ -164,19 +258,58 @@ def pid_alive(pid: int) -> bool:
 
 
 def reap_ranks(run_dir: Path, grace_s: float = 5.0) -> list[int]:
-    """Make sure no rank process outlives the world: SIGKILL, by pid, any that is still alive."""
+    """Make sure no process of a rank outlives the world: SIGKILL, by pid, any rank still alive, then each
+    rank's own process group (helpers a rank started, e.g. dist_checkpointing's Manager) if it has members.
+    Returns the ranks that left something behind."""
     pids = rank_pids(run_dir)
     deadline = time.monotonic() + grace_s
     while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    leftovers = [rank for rank, pid in pids.items() if pid_alive(pid)]
+    leftovers = {rank for rank, pid in pids.items() if pid_alive(pid)}
     for rank in leftovers:
         os.kill(pids[rank], signal.SIGKILL)
-    return leftovers
+    for rank, pgid in rank_groups(run_dir).items():
+        if kill_group(pgid):
+            leftovers.add(rank)
+    return sorted(leftovers)
+
+
+def rank_groups(run_dir: Path) -> dict[int, int]:
+    """Each rank's process group, where the rank leads its own (mpiexec starts each rank in a new group)."""
+    groups = {}
+    for path in (run_dir / "pids").glob("rank-*.pid"):
+        info = json.loads(path.read_text())
+        if info.get("pgid") == info["pid"]:
+            groups[int(path.stem.split("-")[1])] = int(info["pgid"])
+    return groups
+
+
+def kill_group(pgid: int) -> bool:
+    """SIGKILL a process group; True if it still had members."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def failure_cause(run_dir: Path, watch: WorldWatch) -> str | None:
+    """The first named failure by time: a rank's reported error or a rank that died without a word (a
+    peer's report of that death comes after it)."""
+    roles = rank_roles(run_dir)
+    events = [
+        (f["time"], f"rank {f['rank']} ({f['role']}) failed: {f['message']}")
+        for f in (json.loads(p.read_text()) for p in (run_dir / "failures").glob("rank-*.json"))
+    ]
+    events += [
+        (watch.vanished_at[r], f"rank {r} ({roles.get(r, '?')}) died without reporting an error")
+        for r in watch.silent_deaths()
+    ]
+    return min(events)[1] if events else None
 
 
 def report(
-    run_dir: Path, returncode: int | None, reason: str | None, leftovers: list[int], vanished: list[int]
+    run_dir: Path, returncode: int | None, reason: str | None, leftovers: list[int], watch: WorldWatch
 ) -> int:
     failures = (
         sorted(
@@ -192,21 +325,24 @@ def report(
         later = ", ".join(f"rank {f['rank']} ({f['role']})" for f in failures[1:])
         if later:
             print(f"error: then also failed: {later} (see {run_dir / 'failures'})", file=sys.stderr)
-    if returncode != 0 and not failures and vanished and reason is None:
+    silent = watch.silent_deaths()
+    if not failures and silent and reason is None:
         # No rank reported an error: the first process to vanish died without a word (SIGKILL, OOM, crash).
-        rank = vanished[0]
+        rank = silent[0]
         role = rank_roles(run_dir).get(rank, "?")
         print(
             f"error: rank {rank} ({role}) died without reporting an error (killed or crashed)",
             file=sys.stderr,
         )
     if leftovers:
-        print(f"warning: killed leftover rank processes {leftovers}", file=sys.stderr)
+        print(f"warning: killed leftover processes of ranks {leftovers}", file=sys.stderr)
     if reason is not None:
         print(f"error: run stopped: {reason}", file=sys.stderr)
         if "Ctrl-C" in reason:
             return 130
         return 128 + signal.SIGTERM if "SIGTERM" in reason else 1
-    if returncode != 0 and not failures and not vanished:
+    if not failures and not silent and watch.all_finished():
+        return 0  # every rank finished its main; mpiexec's own exit code does not matter then
+    if returncode != 0 and not failures and not silent:
         print(f"error: mpiexec exited with code {returncode} and no rank reported a failure", file=sys.stderr)
-    return 0 if returncode == 0 and not failures else 1
+    return 0 if returncode == 0 and not failures and not silent else 1

@@ -14,12 +14,13 @@ import time
 import traceback
 from pathlib import Path
 
-from rollart_hpc.cluster import signals
+from rollart_hpc.cluster import lifetime, signals
 from rollart_hpc.cluster.env import read_process_env
+from rollart_hpc.cluster.placement import apply_placement, place_rank
 from rollart_hpc.cluster.plan import make_plan
 from rollart_hpc.cluster.world import World, make_world
 from rollart_hpc.config import read_resolved
-from rollart_hpc.config.schema import Config
+from rollart_hpc.config.schema import ClusterConfig, Config
 from rollart_hpc.contracts.atomic import atomic_write_json
 
 # job -> module with `main(config, world, run_dir)`: explicit, keyed by `run.job`.
@@ -48,22 +49,62 @@ def record_failure(run_dir: Path, world: World, exc: BaseException) -> None:
     print(f"[{world.role} {world.rank}] FAILED: {message}", file=sys.stderr, flush=True)
 
 
+def place(world: World, cluster: ClusterConfig) -> dict[str, object]:
+    """Decide this rank's GPUs, cores and threads (`cluster.placement`), apply them, print one line."""
+    needs_count = world.env.visible_gpus is None and world.plan.role_of(world.rank).resources.gpus_per_rank
+    gpu_count = machine_gpu_count() if needs_count else 0
+    cpus = sorted(os.sched_getaffinity(0))
+    placement = place_rank(world.plan, world.rank, world.env, gpu_count, cpus, cluster.share_gpus)
+    device = apply_placement(placement, cluster.require_cuda)
+    print(f"[placement] {placement.describe()}", flush=True)
+    return {
+        "local_rank": placement.local_rank,
+        "gpus": list(placement.gpu_ids),
+        "device": placement.device,
+        "torch_device": device,
+        "cpus": list(placement.cpus),
+        "threads": placement.threads,
+    }
+
+
+def machine_gpu_count() -> int:
+    """GPUs of this machine, counted without initialising CUDA: CUDA reads CUDA_VISIBLE_DEVICES once, at
+    its initialisation, and `apply_placement` still has to narrow it."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    if gpus.is_dir():
+        return len(list(gpus.iterdir()))
+    import torch
+
+    return max(int(torch.cuda._device_count_nvml()), 0)  # NVML, which leaves CUDA uninitialised
+
+
 def run_rank(run_dir: Path) -> int:
     config: Config = read_resolved(run_dir)
     plan = make_plan(config.roles)
     world = make_world(plan, read_process_env(), config.cluster.peer_timeout_s)
     pid_file = run_dir / "pids" / f"rank-{world.rank}.pid"
-    atomic_write_json(pid_file, {"pid": os.getpid(), "role": world.role, "node": world.env.node_name})
+    record = {"pid": os.getpid(), "pgid": os.getpgid(0), "role": world.role, "node": world.env.node_name}
+    atomic_write_json(pid_file, record)
     job = importlib.import_module(JOBS[config.run.job])
     try:
+        atomic_write_json(pid_file, {**record, **place(world, config.cluster)})
         job.main(config, world, run_dir)
     except BaseException as exc:  # every failure of a rank must end the world, not leave peers waiting
         record_failure(run_dir, world, exc)
         world.comm.Abort(1)
         return 1
+    atomic_write_json(exit_path(run_dir, world.rank), {"code": 0, "time": time.time()})
     return 0
+
+
+def exit_path(run_dir: Path, rank: int) -> Path:
+    """Written when a rank's main returns normally: the launcher tells a finished rank from a silent death."""
+    return run_dir / "pids" / f"rank-{rank}.exit"
 
 
 if __name__ == "__main__":
     signals.install()
+    lifetime.bind_children()
     sys.exit(run_rank(Path(sys.argv[1])))
+elif __name__ == "__mp_main__":  # a multiprocessing spawn child of a rank (dist_checkpointing's Manager)
+    lifetime.die_with_parent()

@@ -41,6 +41,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.records import Trajectory
 
 LIBVER = ("v110", "v110")
@@ -302,6 +303,42 @@ def _drop_uncommitted(f: h5py.File) -> None:
     for name in _column_names():
         if f[name].shape[0] != _committed_length(name, pos):
             f[name].resize((_committed_length(name, pos),))
+
+
+def check_resumable(path: str | Path, position: StorePosition) -> None:
+    """UsageError (one line) unless the store at `path` holds everything up to `position` (a checkpoint's):
+    readable, the schema, committed counts and column lengths at least that far. Changes nothing."""
+    path = Path(path)
+    if not path.exists():
+        if position.rows or position.events:
+            raise UsageError(f"{path}: missing, but the checkpoint needs {position.rows} stored trajectories")
+        return
+    try:
+        with _open_for_check(path) as f:
+            _check_schema(f, path)
+            have = StorePosition(*(int(x) for x in f["commit"][:]))
+            short = [n for n in _column_names() if f[n].shape[0] < _committed_length(n, position)]
+            for name in _column_names():  # the newest chunks sit at the end of the file: read them
+                if not short and _committed_length(name, position):
+                    f[name][_committed_length(name, position) - 1]
+    except (OSError, ValueError, KeyError) as exc:
+        raise UsageError(f"{path}: unreadable trajectory store ({str(exc).splitlines()[0][:160]})") from None
+    if have.rows < position.rows or have.tokens < position.tokens or have.events < position.events or short:
+        raise UsageError(
+            f"{path}: truncated: the checkpoint needs {position.as_dict()}, the store holds {have.as_dict()}"
+            + (f" ({short[0]} is short)" if short else "")
+        )
+
+
+def _open_for_check(path: Path) -> h5py.File:
+    """Read-only; a plain open checks the file's length against HDF5's record of it (a cut file fails),
+    but refuses a file whose writer died (still flagged open for write): SWMR-read that one instead."""
+    try:
+        return h5py.File(path, "r", libver=LIBVER)
+    except OSError as exc:
+        if "open for write" not in str(exc) and "already open" not in str(exc):
+            raise
+    return h5py.File(path, "r", libver=LIBVER, swmr=True)
 
 
 def committed(path: str | Path) -> StorePosition:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import ast
 import math
+import operator
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 Number = int | float
@@ -92,6 +94,26 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+_ARITHMETIC: dict[type[ast.operator], Callable[[Number, Number], Number]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
+
+
+def _guarded(compute: Callable[[], Number | complex]) -> Number | complex:
+    """Run one bounded operation; an arithmetic exception of the float library becomes a CalcError."""
+    try:
+        return compute()
+    except OverflowError:
+        raise CalcError("number too large") from None
+    except (ZeroDivisionError, ValueError) as exc:
+        raise CalcError(f"cannot compute ({exc})") from None
+
+
 class _Interpreter:
     """Walks a checked tree; bounds every intermediate value before and after each operation."""
 
@@ -123,18 +145,8 @@ class _Interpreter:
             return self._power(a, b)
         if isinstance(op, ast.Div | ast.FloorDiv | ast.Mod) and b == 0:
             raise CalcError("division by zero")
-        if isinstance(op, ast.Add):
-            result: Number = a + b
-        elif isinstance(op, ast.Sub):
-            result = a - b
-        elif isinstance(op, ast.Mult):
-            result = a * b
-        elif isinstance(op, ast.Div):
-            result = a / b
-        elif isinstance(op, ast.FloorDiv):
-            result = a // b
-        else:
-            result = a % b
+        result = _guarded(lambda: _ARITHMETIC[type(op)](a, b))
+        assert not isinstance(result, complex)  # + - * / // % of real numbers are real
         return self._bounded(result)
 
     def _power(self, base: Number, exp: Number) -> Number:
@@ -144,9 +156,9 @@ class _Interpreter:
             raise CalcError("division by zero")
         if base < 0 and not float(exp).is_integer():
             raise CalcError("fractional power of a negative number")
-        if abs(base) > 1 and exp > 0 and exp * math.log10(abs(base)) > math.log10(self.lim.max_abs):
-            raise CalcError("number too large")
-        result = base**exp
+        if base != 0 and exp * math.log10(abs(base)) > math.log10(self.lim.max_abs):
+            raise CalcError("number too large")  # also a tiny base to a negative power (1e-300**-2)
+        result = _guarded(lambda: base**exp)
         if isinstance(result, complex):
             raise CalcError("result is not a real number")
         return self._bounded(result)

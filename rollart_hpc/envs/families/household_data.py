@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.envs.families.household_gen import NUM_GAMES
 
 CACHE_VERSION = "v1"
@@ -48,7 +49,41 @@ def load_manifest(root: Path | None = None) -> list[dict[str, Any]]:
     folder = household_dir(root)
     if not (folder / READY).exists():
         raise FileNotFoundError(f"household games are not prepared in {folder}: run `launch.py envs prepare`")
-    return list(json.loads((folder / "manifest.json").read_text())["games"])
+    path = folder / "manifest.json"
+    try:
+        games = json.loads(path.read_text())["games"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"{path}: malformed household task file ({type(exc).__name__}: {exc})") from None
+    if not isinstance(games, list):
+        raise UsageError(f"{path}: malformed household task file ('games' is not a list)")
+    for position, game in enumerate(games):
+        _check_game(path, position, game)
+    return list(games)
+
+
+# Manifest record field -> the type it must have.
+GAME_FIELDS: dict[str, type] = {
+    "index": int,
+    "type": str,
+    "objective": str,
+    "walkthrough": list,
+    "sha256": str,
+}
+
+
+def _check_game(path: Path, position: int, game: object) -> None:
+    if not isinstance(game, dict):
+        raise UsageError(f"{path}: malformed household task file (games[{position}] is not an object)")
+    for name, kind in GAME_FIELDS.items():
+        value = game.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise UsageError(
+                f"{path}: malformed household task file (games[{position}].{name} missing or not {kind.__name__})"
+            )
+    if not all(isinstance(cmd, str) for cmd in game["walkthrough"]):
+        raise UsageError(
+            f"{path}: malformed household task file (games[{position}].walkthrough holds non-text)"
+        )
 
 
 def game_path(index: int, root: Path | None = None) -> Path:

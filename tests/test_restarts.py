@@ -1,0 +1,145 @@
+"""`--max-restarts N`: a failed world is restarted from its last checkpoint, each restart recorded in
+`restarts.jsonl`; a failure that repeats at the same checkpoint step stops the restarts early. The logic
+with a fake world, then real tiny runs with a SIGKILLed env rank."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollart_hpc.controller import checkpoint as ckpt
+from rollart_hpc.entry.restarts import RESTARTS, WorldOutcome, read_restarts, run_with_restarts
+from rollart_hpc.store.trajectories import read_store
+
+REPO = Path(__file__).resolve().parent.parent
+ENV_RANK = 2  # configs/tiny.toml: controller 0, rollout 1, env 2, reward 3, trainer 4
+
+
+class FakeWorld:
+    """Plays back outcomes; a checkpoint step may be 'written' before each outcome."""
+
+    def __init__(self, run_dir, script):
+        self.run_dir, self.script, self.calls, self.checks = run_dir, list(script), 0, 0
+
+    def run(self):
+        step, outcome = self.script[self.calls]
+        self.calls += 1
+        if step:
+            path = ckpt.step_dir(self.run_dir, step)
+            path.mkdir(parents=True, exist_ok=True)
+            (path / ckpt.COMPLETE).write_text(json.dumps({"version": step}))
+        return outcome
+
+    def check(self):
+        self.checks += 1
+
+
+DIED = WorldOutcome(1, "rank 2 (env) died without reporting an error", False)
+OK = WorldOutcome(0, None, False)
+
+
+def test_restarts_until_success_and_records_each(tmp_path):
+    world = FakeWorld(tmp_path, [(1, DIED), (2, DIED), (3, OK)])
+    assert run_with_restarts(tmp_path, world.run, 5, world.check) == 0
+    assert world.calls == 3 and world.checks == 2
+    rows = read_restarts(tmp_path)
+    assert [(r["restart"], r["step"], r["cause"]) for r in rows] == [(1, 1, DIED.cause), (2, 2, DIED.cause)]
+
+
+def test_same_failure_at_same_step_stops_early(tmp_path, capsys):
+    world = FakeWorld(tmp_path, [(1, DIED), (0, DIED), (0, OK)])
+    assert run_with_restarts(tmp_path, world.run, 5, world.check) == 1
+    assert world.calls == 2 and len(read_restarts(tmp_path)) == 1
+    assert "not restarting: the same failure repeated at step 1" in capsys.readouterr().err
+
+
+def test_no_restart_for_a_stop_by_the_launcher_or_without_budget(tmp_path, capsys):
+    stopped = WorldOutcome(130, "rank 0 (controller) died without reporting an error", True)
+    world = FakeWorld(tmp_path, [(0, stopped)])
+    assert run_with_restarts(tmp_path, world.run, 3, world.check) == 130 and world.calls == 1
+    world = FakeWorld(tmp_path, [(0, DIED), (0, DIED)])
+    assert run_with_restarts(tmp_path, world.run, 1, world.check) == 1 and world.calls == 2
+    assert "giving up after 1 restarts" in capsys.readouterr().err
+    assert not (tmp_path / RESTARTS).with_suffix(".tmp").exists()
+
+
+def rank_pid(run_dir, rank):
+    try:
+        return json.loads((run_dir / "pids" / f"rank-{rank}.pid").read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def wait_until(predicate, timeout_s=400):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def metric_rows(run_dir):
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def start(run_dir, *overrides):
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "launch.py"), "run", "configs/tiny.toml", "--run-dir", str(run_dir),
+         "--max-restarts", "2", "controller.mode=sync", *overrides],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def kill_env_when(run_dir, ready, old_pid=None):
+    wait_until(lambda: ready() and rank_pid(run_dir, ENV_RANK) not in (None, old_pid))
+    pid = rank_pid(run_dir, ENV_RANK)
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_killed_rank_is_restarted_from_its_checkpoint(tmp_path):
+    run_dir = tmp_path / "restarted"
+    proc = start(run_dir, "controller.num_steps=4", "controller.checkpoint_every_steps=1")
+    try:
+        kill_env_when(run_dir, lambda: ckpt.latest(run_dir) is not None and len(metric_rows(run_dir)) >= 2)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    rows = read_restarts(run_dir)
+    # The killed env rank is named unless mpiexec ended a peer within the same launcher poll (20 ms).
+    assert len(rows) == 1 and re.fullmatch(
+        r"rank \d \(\w+\) died without reporting an error", rows[0]["cause"]
+    )
+    assert rows[0]["step"] >= 1 and "restart 1/2 from step" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = read_store(run_dir / "trajectories.h5").records
+    assert summary["balanced"] and len({r.episode_id for r in records}) == len(records)
+    assert sum(r.final_status == "trained" for r in records) == 4 * 4 == summary["accounting"]["trained"]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_failure_repeating_at_the_same_step_stops_restarts(tmp_path):
+    run_dir = tmp_path / "repeating"
+    proc = start(run_dir, "controller.num_steps=6", "controller.checkpoint_every_steps=0")
+    try:
+        first = kill_env_when(run_dir, lambda: len(metric_rows(run_dir)) >= 1)
+        wait_until(lambda: (run_dir / RESTARTS).exists())
+        kill_env_when(run_dir, lambda: True, old_pid=first)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, out[-3000:] + err[-3000:]
+    assert "not restarting: the same failure repeated at step 0" in err, err[-3000:]
+    assert len(read_restarts(run_dir)) == 1

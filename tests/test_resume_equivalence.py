@@ -1,0 +1,172 @@
+"""DESIGN invariant 9: in sync mode with a fixed seed, a run stopped at step k and resumed continues as
+the uninterrupted run: steps k..n-1 train the same trajectories (episode, task, tokens, per-token
+versions, reward, final status: exactly), with the same counts (exactly) and the same losses, grad norms
+and weights (to float32 rounding).
+
+Why not bit for bit: the built-in engine runs one packed forward over whatever requests are in flight,
+so a token's behaviour log-prob is computed in a batch whose size and prefill chunking depend on timing;
+CPU matmuls round differently for different shapes (about 1 ulp, 5e-7 in log-prob). The same holds
+between two uninterrupted runs (trajectories generated before the interruption differ the same way), so
+it is not a resume effect; the sampled tokens do not change (per-request seeded generators), and the
+loss, grad norm and weights follow the log-probs to about 1e-6.
+
+Three tiny worlds run at once: the uninterrupted reference, one stopped by SIGUSR1 (checkpoint, clean
+exit) and one whose env rank is SIGKILLed right after its first checkpoint; both are resumed together.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from rollart_hpc.controller.checkpoint import latest, step_dir
+from rollart_hpc.store.trajectories import read_store
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+NUM_STEPS = 5
+OVERRIDES = (
+    "controller.mode=sync",
+    f"controller.num_steps={NUM_STEPS}",
+    "controller.checkpoint_every_steps=2",
+    "controller.keep_checkpoints=5",
+    "run.seed=7",
+)
+# Metrics that depend on timing, not on what was trained.
+TIMING_KEYS = {"wall_s", "train_s"}
+
+
+def start(run_dir):
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "launch.py"),
+            "run",
+            "configs/tiny.toml",
+            "--run-dir",
+            str(run_dir),
+            *OVERRIDES,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc, ok=True):
+    out, err = proc.communicate(timeout=600)
+    assert (proc.returncode == 0) == ok, out[-2000:] + err[-3000:]
+    return out, err
+
+
+def resume(run_dir):
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "launch.py"), "resume", str(run_dir)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_until(predicate, timeout_s=600):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def rank_pid(run_dir, rank):
+    return json.loads((run_dir / "pids" / f"rank-{rank}.pid").read_text())["pid"]
+
+
+def metrics(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows}
+
+
+def trained(run_dir):
+    """Per step: the trained trajectories with their ids, tokens, versions and rewards; their log-probs."""
+    steps, logprobs = defaultdict(list), {}
+    for r in read_store(run_dir / "trajectories.h5").records:
+        if r.final_status == "trained":
+            steps[r.final_version].append(
+                (r.episode_id, r.task_id, r.token_ids.tolist(), r.versions.tolist(), float(r.reward))
+            )
+            logprobs[r.episode_id] = r.logprobs
+    return {v: sorted(t) for v, t in steps.items()}, logprobs
+
+
+def statuses(run_dir):
+    return {
+        r.episode_id: (r.final_status, r.final_cause) for r in read_store(run_dir / "trajectories.h5").records
+    }
+
+
+def weights(run_dir, version):
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = run_dir / f"weights-{version}.pt"
+    dcp_to_torch_save(step_dir(run_dir, version) / "trainer", out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def assert_close_metrics(got, ref, step):
+    assert got.keys() == ref.keys(), f"step {step}"
+    for key, value in ref.items():
+        if isinstance(value, float):
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), f"step {step}: {key}"
+        else:
+            assert got[key] == value, f"step {step}: {key}"
+
+
+def assert_same_after(run_dir, reference, resumed_at):
+    ref_metrics, got_metrics = metrics(reference), metrics(run_dir)
+    assert sorted(got_metrics) == list(range(NUM_STEPS))
+    for step in range(resumed_at, NUM_STEPS):
+        assert_close_metrics(got_metrics[step], ref_metrics[step], step)
+    (ref_trained, ref_logprobs), (got_trained, got_logprobs) = trained(reference), trained(run_dir)
+    for step in range(resumed_at, NUM_STEPS):
+        assert got_trained[step] == ref_trained[step], f"trajectories trained in step {step} differ"
+        for episode, *_ in ref_trained[step]:
+            assert got_logprobs[episode] == pytest.approx(ref_logprobs[episode], abs=1e-5)
+    assert statuses(run_dir) == statuses(reference)
+    ref_w, got_w = weights(reference, 4), weights(run_dir, 4)
+    assert ref_w.keys() == got_w.keys()
+    for name, tensor in ref_w.items():
+        assert got_w[name].shape == tensor.shape and got_w[name].allclose(tensor, rtol=1e-4, atol=1e-5), name
+
+
+def test_stopped_and_killed_runs_resume_exactly(tmp_path):
+    reference, stopped, killed = (tmp_path / n for n in ("reference", "stopped", "killed"))
+    procs = {d: start(d) for d in (reference, stopped, killed)}
+    try:
+        wait_until(lambda: (stopped / "metrics.jsonl").exists() and len(metrics(stopped)) >= 1)
+        os.kill(rank_pid(stopped, 0), signal.SIGUSR1)
+        wait_until(lambda: latest(killed) is not None)
+        os.kill(rank_pid(killed, 2), signal.SIGKILL)
+        out, _ = finish(procs[stopped])
+        assert "stop requested: checkpointed at version" in out
+        finish(procs[killed], ok=False)
+        finish(procs[reference])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    stopped_at = int(latest(stopped).name.split("-")[1])
+    killed_at = int(latest(killed).name.split("-")[1])
+    assert 0 < stopped_at < NUM_STEPS and killed_at == 2
+    resumed = [resume(stopped), resume(killed)]
+    for proc in resumed:
+        finish(proc)
+    assert_same_after(stopped, reference, stopped_at)
+    assert_same_after(killed, reference, killed_at)
