@@ -17,13 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Self, cast
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 Status = Literal["ok", "failed"]
 
 # Why an episode ended. "ok" trajectories end with one of OK_CAUSES, failed ones with FAILURE_CAUSES.
 OK_CAUSES = ("done", "max_turns", "context_limit", "max_tokens")
-FAILURE_CAUSES = ("crash", "timeout", "error", "llm_error", "abort")
+FAILURE_CAUSES = ("crash", "timeout", "error", "llm_error", "abort", "reward_error")
 
 DispatchValue = int | float | str | bool
 
@@ -33,8 +36,20 @@ def _pick(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
     return {f.name: data[f.name] for f in fields(cls) if f.name in data}
 
 
+class Record:
+    """Base of the dataclass records: `to_dict` gives plain values, `from_dict` is its inverse (keys that
+    are not fields are ignored); a record whose fields need conversion overrides them."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(cast("DataclassInstance", self))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        return cls(**_pick(cls, data))
+
+
 @dataclass
-class Trajectory:
+class Trajectory(Record):
     """One episode as flat typed arrays plus scalars; see the module docstring for the invariants."""
 
     task_id: str
@@ -120,7 +135,7 @@ class Trajectory:
 
 
 @dataclass(frozen=True)
-class EpisodeTicket:
+class EpisodeTicket(Record):
     """controller -> env (DISPATCH): one episode to play, with its dispatch version v0, the tracker's
     policy event and the SPO++ baseline frozen at dispatch, and the episode's sampling seed."""
 
@@ -132,9 +147,6 @@ class EpisodeTicket:
     seed: int
     dispatch_time: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EpisodeTicket:
         return cls(**{f.name: data[f.name] for f in fields(cls)})
@@ -145,7 +157,7 @@ class EpisodeTicket:
 
 
 @dataclass
-class TrainShard:
+class TrainShard(Record):
     """controller -> trainer (BATCH): one trainer rank's share of step `step` (lists: pickles without
     torch). `num_global_action_tokens` is the step's action-token count over all ranks (the loss
     denominator on every rank)."""
@@ -158,22 +170,12 @@ class TrainShard:
     advantages: list[list[float]] = field(default_factory=list)
     seq_ids: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TrainShard:
-        return cls(**_pick(cls, data))
-
 
 @dataclass(frozen=True)
-class WeightAnnouncement:
+class WeightAnnouncement(Record):
     """trainer -> rollout (WEIGHTS): `version` is about to be broadcast on the weights group."""
 
     version: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WeightAnnouncement:
@@ -181,7 +183,7 @@ class WeightAnnouncement:
 
 
 @dataclass(frozen=True)
-class StepReport:
+class StepReport(Record):
     """trainer -> controller (TRAINED): step `step` is trained and version step + 1 published.
     `metrics`: the trainer's step metrics; `train_s`: seconds of the step on the first trainer."""
 
@@ -193,70 +195,48 @@ class StepReport:
         """The report's columns of a metrics.jsonl row: the step metrics, then `train_s`."""
         return {**self.metrics, "train_s": self.train_s}
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StepReport:
         return cls(int(data["step"]), float(data["train_s"]), dict(data.get("metrics", {})))
 
 
 @dataclass(frozen=True)
-class RankStats:
-    """rank -> controller (STATS), as the rank exits: its role and its busy seconds."""
+class RankStats(Record):
+    """rank -> controller (STATS), as the rank exits: its role, its busy seconds, and how often the
+    component it serves failed inside it and was replaced (rollout: engine failures and engine rebuilds;
+    reward: failed reward calls and worker pool rebuilds)."""
 
     role: str
     busy_s: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    failures: int = 0
+    rebuilds: int = 0
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RankStats:
-        return cls(str(data["role"]), float(data["busy_s"]))
+        counts = (int(data.get("failures", 0)), int(data.get("rebuilds", 0)))
+        return cls(str(data["role"]), float(data["busy_s"]), *counts)
 
 
 @dataclass(frozen=True)
-class TrainerStart:
+class TrainerStart(Record):
     """controller -> trainer (START): the initial model, and the trainers' checkpoint part to resume
     from (None on a fresh run)."""
 
     model_dir: str
     resume: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TrainerStart:
-        return cls(**_pick(cls, data))
-
 
 @dataclass(frozen=True)
-class WorkerStart:
+class WorkerStart(Record):
     """controller -> rollout, env and reward ranks (START): the trainers' current model and its version."""
 
     model_dir: str
     version: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> WorkerStart:
-        return cls(**_pick(cls, data))
-
 
 @dataclass(frozen=True)
-class Ready:
+class Ready(Record):
     """rank -> controller (READY): set up. Trainers name the model they now hold and their set-up time."""
 
     model_dir: str | None = None
     setup_s: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Ready:
-        return cls(**_pick(cls, data))

@@ -260,7 +260,8 @@ def pid_alive(pid: int) -> bool:
 def reap_ranks(run_dir: Path, grace_s: float = 5.0) -> list[int]:
     """Make sure no process of a rank outlives the world: SIGKILL, by pid, any rank still alive, then each
     rank's own process group (helpers a rank started, e.g. dist_checkpointing's Manager) if it has members.
-    Returns the ranks that left something behind."""
+    Returns the ranks whose own process outlived the world (helpers still exiting after their rank ended
+    are ended without a word)."""
     pids = rank_pids(run_dir)
     deadline = time.monotonic() + grace_s
     while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
@@ -268,9 +269,8 @@ def reap_ranks(run_dir: Path, grace_s: float = 5.0) -> list[int]:
     leftovers = {rank for rank, pid in pids.items() if pid_alive(pid)}
     for rank in leftovers:
         os.kill(pids[rank], signal.SIGKILL)
-    for rank, pgid in rank_groups(run_dir).items():
-        if kill_group(pgid):
-            leftovers.add(rank)
+    for pgid in rank_groups(run_dir).values():
+        kill_group(pgid)
     return sorted(leftovers)
 
 
