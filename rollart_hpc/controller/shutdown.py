@@ -35,12 +35,16 @@ def shutdown(controller: Controller) -> dict[str, Any]:
         for rank in ranks[role]:
             controller.handle(mailbox.wait_for(Tag.STATS, source=rank))
             mailbox.unwatch(rank)
+        for msg in mailbox.poll():  # a rollout rank's last LOADED comes just before its STATS
+            if msg.tag == Tag.LOADED:
+                controller.handle(msg)
     return summary(controller)
 
 
 def summary(controller: Controller) -> dict[str, Any]:
     """summary.json: success by family (first -> last step), trajectory outcomes, staleness, versions
-    loaded per rollout rank, busy seconds per rank, wall-clock and whether the accounting balances."""
+    loaded per rollout rank, busy seconds per rank, engine / reward pool failures and rebuilds per rollout
+    and reward rank, wall-clock and whether the accounting balances."""
     acc = controller.core.accounting()
     trajectories = {"dispatched": acc["dispatched"], "trained": acc["trained"]}
     trajectories.update({f"dropped ({k})": v for k, v in acc["dropped"].items()})
@@ -52,6 +56,7 @@ def summary(controller: Controller) -> dict[str, Any]:
         "staleness": acc["staleness"],
         "rollout_versions": {str(rank): versions for rank, versions in controller.loaded_history.items()},
         "time_split_s": dict(controller.busy),
+        "failures_and_rebuilds": dict(controller.rebuilds),
         "wall_s": time.monotonic() - controller.started,
         "balanced": controller.core.balanced(),
         "accounting": acc,

@@ -74,7 +74,8 @@ def progress_line(row: Mapping[str, Any], num_steps: int) -> str:
 
 
 def summary_table(summary: Mapping[str, Any], console: Console | None = None) -> str:
-    """Render the end-of-run summary (success per family, trajectories by status, staleness, time split)."""
+    """Render the end-of-run summary (success per family, trajectories by status, staleness, time split,
+    failures and rebuilds per rollout and reward rank)."""
     console = console or Console(record=True, width=100)
     table = Table(title="run summary", show_header=True)
     table.add_column("what")
@@ -87,5 +88,7 @@ def summary_table(summary: Mapping[str, Any], console: Console | None = None) ->
         table.add_row(f"trained with staleness {lag}", str(count))
     for role, seconds in summary.get("time_split_s", {}).items():
         table.add_row(f"busy time, {role}", f"{seconds:.1f}s")
+    for rank, counts in summary.get("failures_and_rebuilds", {}).items():
+        table.add_row(f"failures / rebuilds, {rank}", f"{counts['failures']} / {counts['rebuilds']}")
     console.print(table)
     return console.export_text()

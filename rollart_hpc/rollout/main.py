@@ -7,22 +7,27 @@ background thread joins the weight broadcast and hands the tensors to `engine.up
 engine swaps them between two steps (no forward mixes versions; the vLLM engine pauses, loads and
 resumes inside that call), after which this rank reports
 LOADED(v) to the controller. Every wait is bounded: the mailbox's liveness check names a silent peer.
+The engine is a `ResilientEngine` (`rollart_hpc.rollout.resilient`): a failed engine is rebuilt in place
+from the newest weights (at most `rollout.max_engine_rebuilds` times), the requests it held are answered
+as errors, and the rank reports its engine failures and rebuilds in its STATS.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollart_hpc.cluster.context import RunContext
-from rollart_hpc.config.schema import Config
+from rollart_hpc.config.schema import Config, RolloutConfig
 from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.contracts.records import RankStats, Ready, WeightAnnouncement, WorkerStart
 from rollart_hpc.metrics.timeline import Timeline
 from rollart_hpc.rollout.api import Engine
 from rollart_hpc.rollout.engines import build_engine
+from rollart_hpc.rollout.resilient import FaultInjector, ResilientEngine
 
 if TYPE_CHECKING:
     from rollart_hpc.weights.transport import WeightSource
@@ -101,8 +106,13 @@ def serve(ctx: RunContext, engine: Engine, receiver: WeightSource) -> None:
             mailbox.send(reported, 0, Tag.LOADED)
         mailbox.check()
     weights.join()
+    if engine.has_staged_weights():  # the last version arrived after STOP: load it, so it is reported
+        engine.step()
+    if engine.version != reported:
+        mailbox.send(engine.version, 0, Tag.LOADED)
     timeline.write(ctx.run_dir)
-    mailbox.send(RankStats("rollout", busy_s), 0, Tag.STATS)
+    counts = (engine.failures, engine.rebuilds) if isinstance(engine, ResilientEngine) else (0, 0)
+    mailbox.send(RankStats("rollout", busy_s, *counts), 0, Tag.STATS)
     mailbox.flush()
 
 
@@ -117,10 +127,25 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     start: WorkerStart = ctx.mailbox.wait_for(Tag.START, source=0).payload
     model_dir = Path(start.model_dir)
     receiver = GroupWeightReceiver.open(group)
-    engine = build_engine(config.rollout, model_dir, start.version, config.run.seed + ctx.world.rank)
+    seed = config.run.seed + ctx.world.rank
+    engine = resilient_engine(config.rollout, model_dir, start.version, seed, ctx.log.warning)
     ctx.log.info(f"{config.rollout.engine} engine ready: {config.rollout.num_slots} slots, model {model_dir}")
     ctx.mailbox.send(Ready(), 0, Tag.READY)
     try:
         serve(ctx, engine, receiver)
     finally:
         engine.close()
+
+
+def resilient_engine(
+    rollout: RolloutConfig, model_dir: Path, version: int, seed: int, log: Callable[[str], None]
+) -> ResilientEngine:
+    """The rank's engine, rebuilt from `model_dir` at `version` (then the newest weights) when it fails."""
+    faults = None
+    if rollout.fault_step_prob > 0:
+        faults = FaultInjector(rollout.fault_step_prob, rollout.num_faults, seed)
+
+    def build() -> Engine:
+        return build_engine(rollout, model_dir, version, seed)
+
+    return ResilientEngine(build, rollout.max_engine_rebuilds, log, faults)
