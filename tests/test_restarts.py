@@ -143,3 +143,24 @@ def test_failure_repeating_at_the_same_step_stops_restarts(tmp_path):
     assert proc.returncode != 0, out[-3000:] + err[-3000:]
     assert "not restarting: the same failure repeated at step 0" in err, err[-3000:]
     assert len(read_restarts(run_dir)) == 1
+
+
+def test_slurm_step_restart_records_rows_and_stops_on_a_repeat_or_when_spent(tmp_path, capsys):
+    from rollart_hpc.config import load_config, write_resolved
+    from rollart_hpc.entry.restarts import job_script_main, restart_after_failed_step
+
+    write_resolved(load_config(REPO / "configs" / "tiny.toml"), tmp_path)
+    assert job_script_main([str(tmp_path), "0", "2"]) == 1  # the step succeeded: nothing to restart
+    assert restart_after_failed_step(tmp_path, 137, 2)
+    assert not restart_after_failed_step(tmp_path, 137, 2)  # same cause, same checkpoint step
+    assert "same failure repeated at step 0" in capsys.readouterr().out
+    (tmp_path / "failures").mkdir()
+    report = {"rank": 2, "role": "env", "message": "boom", "time": 1.0}
+    (tmp_path / "failures" / "rank-2.json").write_text(json.dumps(report))
+    assert restart_after_failed_step(tmp_path, 1, 2) and not (tmp_path / "failures").exists()
+    assert [r["cause"] for r in read_restarts(tmp_path)] == [
+        "the srun step exited with status 137 (a rank was killed or crashed)",
+        "rank 2 (env) failed: boom",
+    ]
+    assert not restart_after_failed_step(tmp_path, 9, 2)  # 2 of 2 used
+    assert "2 of 2 restarts used" in capsys.readouterr().out

@@ -5,8 +5,10 @@ The run is a hetjob over two partitions: controller, rollout, env and reward ran
 - Preemption: `scancel --signal=USR2 JOB` once a step is trained signals every task; the controller
   checkpoints and stops the world (exit 0, no summary.json), the batch script requeues the job, and the
   restarted job (SLURM_RESTART_COUNT=1) resumes from the checkpoint and finishes.
-- A rank killed with SIGKILL: the job fails and srun names the task; `launch.py resume` (local mpiexec)
-  finishes the run from its last periodic checkpoint.
+- A rank killed with SIGKILL: with `cluster.max_restarts` > 0 (the default) the batch script records a
+  restart in restarts.jsonl and starts a new step in the same allocation, which resumes from the last
+  periodic checkpoint and finishes (job COMPLETED, no manual resume); with `cluster.max_restarts=0` the
+  job fails, srun names the task, and `launch.py resume` (local mpiexec) finishes the run.
 Either way the finished run holds every step once and every trajectory once. Every wait is bounded; a
 job still queued when its test ends is cancelled.
 """
@@ -169,9 +171,8 @@ def test_killed_rank_fails_the_job_and_local_resume_finishes(repo_root: Path, tm
     num_steps = 4
     run_dir = tmp_path / "killed"
     start = time.monotonic()
-    record = _submit(
-        repo_root, run_dir, [f"controller.num_steps={num_steps}", "controller.checkpoint_every_steps=1"]
-    )
+    overrides = [f"controller.num_steps={num_steps}", "controller.checkpoint_every_steps=1"]
+    record = _submit(repo_root, run_dir, [*overrides, "cluster.max_restarts=0"])
     job_id = str(record["job_id"])
     try:
         _wait_for("a checkpoint", lambda: latest(run_dir) is not None, record, START_TIMEOUT_S)
@@ -199,6 +200,31 @@ def test_killed_rank_fails_the_job_and_local_resume_finishes(repo_root: Path, tm
     print(
         f"killed rank: job failed after {failed_s:.0f}s, resumed run done after {time.monotonic() - start:.0f}s"
     )
+
+
+@pytest.mark.timeout(1800)
+def test_killed_rank_is_restarted_in_the_allocation_and_finishes(repo_root: Path, tmp_path: Path) -> None:
+    num_steps = 4
+    run_dir = tmp_path / "crash restarted"
+    start = time.monotonic()
+    overrides = [f"controller.num_steps={num_steps}", "controller.checkpoint_every_steps=1"]
+    record = _submit(repo_root, run_dir, [*overrides, "cluster.max_restarts=2"])
+    job_id = str(record["job_id"])
+    try:
+        _wait_for("a checkpoint", lambda: latest(run_dir) is not None, record, START_TIMEOUT_S)
+        killed = json.loads((run_dir / "pids" / "rank-2.pid").read_text())["pid"]
+        os.kill(killed, signal.SIGKILL)
+        _wait_for("job done", lambda: not _queued(job_id), record, JOB_TIMEOUT_S)
+    finally:
+        _cancel(job_id)
+    log = _log(record)
+    assert _states(job_id)[0] == "COMPLETED", (_states(job_id), log[-4000:])
+    restarts = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert len(restarts) == 1 and restarts[0]["step"] >= 1, restarts
+    assert "[slurm] restart 1/2 from step" in log and "[slurm] run finished" in log, log[-4000:]
+    assert "requeue job" not in log  # restarted in the allocation, not requeued
+    _assert_complete_once(run_dir, num_steps)
+    print(f"killed rank: restarted in the allocation, run done after {time.monotonic() - start:.0f}s")
 
 
 @pytest.mark.timeout(1800)
@@ -240,3 +266,38 @@ def test_preempted_submitit_job_requeues_from_rank_0_and_finishes(repo_root: Pat
     _assert_complete_once(run_dir, num_steps)
     assert sorted(_rank_nodes(run_dir).values()) == ["rollout1"] * 3 + ["train1"] * 3
     print(f"preempted submitit job: stopped at step {stopped_at}, done after {time.monotonic() - start:.0f}s")
+
+
+@pytest.mark.timeout(1800)
+def test_killed_rank_of_a_submitit_job_is_requeued_and_finishes(repo_root: Path, tmp_path: Path) -> None:
+    num_steps = 4
+    run_dir = tmp_path / "sub mit crash"
+    overrides = [
+        f"roles.{role}.partition=all" for role in ("controller", "rollout", "env", "reward", "trainer")
+    ]
+    parser = argparse.ArgumentParser()
+    submit.add_arguments(parser)
+    argv = [
+        str(repo_root / "configs" / "tiny.toml"),
+        *overrides,
+        "roles.env.num_ranks=2",
+        "cluster.max_restarts=2",
+    ]
+    argv += [f"controller.num_steps={num_steps}", "controller.checkpoint_every_steps=1"]
+    argv += ["--run-dir", str(run_dir), "--time-min", "30", "--max-requeues", "2", "--nodes", "2"]
+    assert submit.main(parser.parse_args(argv)) == 0
+    record = dict(json.loads((run_dir / submit.JOB_RECORD).read_text()))
+    assert record["mode"] == "submitit"
+    job_id = str(record["job_id"])
+    try:
+        _wait_for("a checkpoint", lambda: latest(run_dir) is not None, record, START_TIMEOUT_S)
+        os.kill(json.loads((run_dir / "pids" / "rank-2.pid").read_text())["pid"], signal.SIGKILL)
+        _wait_for("job done", lambda: not _queued(job_id), record, JOB_TIMEOUT_S)
+    finally:
+        _cancel(job_id)
+    log = _log(record)
+    assert _states(job_id) == ["COMPLETED"], log[-4000:]
+    restarts = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert len(restarts) == 1 and restarts[0]["step"] >= 1, restarts
+    assert "[slurm] restart 1/2 from step" in log, log[-4000:]
+    _assert_complete_once(run_dir, num_steps)

@@ -115,7 +115,7 @@ def _config_file(tmp_path: Path, text: str) -> Path:
 
 
 def _spec(name: str, run_dir: Path = HOSTILE_RUN_DIR, job: str = "rl") -> JobSpec:
-    return JobSpec(name, run_dir, 30, 2, python=FIXED_PYTHON, mpi_env=FIXED_MPI_ENV, job=job)
+    return JobSpec(name, run_dir, 30, 2, python=FIXED_PYTHON, mpi_env=FIXED_MPI_ENV, max_restarts=2, job=job)
 
 
 def _check_golden(name: str, text: str) -> None:

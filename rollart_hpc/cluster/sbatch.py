@@ -109,7 +109,8 @@ class HetComponent:
 @dataclass(frozen=True)
 class JobSpec:
     """What every submission of a run shares. `run_dir`, `python` and `mpi_env` are absolute paths;
-    `job` is the run's `run.job` (a key of FINISH_MARKERS)."""
+    `job` is the run's `run.job` (a key of FINISH_MARKERS); `max_restarts` is `cluster.max_restarts`
+    (restarts after a failed step, see `rollart_hpc.entry.restarts`)."""
 
     name: str
     run_dir: Path
@@ -118,6 +119,7 @@ class JobSpec:
     signal_delay_s: int = 60
     python: str = field(default_factory=lambda: sys.executable)
     mpi_env: Path = MPI_ENV
+    max_restarts: int = 0
     job: str = field(kw_only=True)
 
     def __post_init__(self) -> None:
@@ -377,6 +379,7 @@ def render_job(spec: JobSpec, components: tuple[HetComponent, ...], template_dir
         "SIGNAL_DELAY_S": str(spec.signal_delay_s),
         "TIME_MIN": str(spec.time_min),
         "MAX_REQUEUES": str(spec.max_requeues),
+        "MAX_RESTARTS": str(spec.max_restarts),
         "FINISH_MARKER": shlex.quote(spec.finish_marker or ""),
         "COMPONENTS": "\n".join(component_lines(components)),
         "RUN_DIR": shlex.quote(str(spec.run_dir)),
@@ -398,7 +401,11 @@ def submitit_parameters(spec: JobSpec, plan: RunPlan, nodes: int) -> dict[str, A
         "ntasks_per_node": world // nodes,
         "time": spec.time_min,
         "signal_delay_s": spec.signal_delay_s,
-        "setup": ["export PYTHONUNBUFFERED=1", f"source {shlex.quote(str(spec.mpi_env))} || exit 1"],
+        "setup": [
+            "export PYTHONUNBUFFERED=1",
+            f"source {shlex.quote(str(spec.mpi_env))} || exit 1",
+            *restart_trap(spec),
+        ],
         "srun_args": ["--mpi=pmix", "--kill-on-bad-exit=1"],
         "additional_parameters": {"requeue": True},
     }
@@ -406,6 +413,18 @@ def submitit_parameters(spec: JobSpec, plan: RunPlan, nodes: int) -> dict[str, A
         params["partition"] = component.partition
     params.update(submitit_resources(component))
     return params
+
+
+def restart_trap(spec: JobSpec) -> list[str]:
+    """Setup line of a submitit job with `max_restarts`: once the srun step failed, the batch shell's EXIT
+    trap asks `rollart_hpc.entry.restarts` whether to restart and, if so, requeues the job (exit 0)."""
+    if spec.max_restarts == 0 or spec.finish_marker is None:
+        return []
+    command = (
+        f"{shlex.quote(spec.python)} -m rollart_hpc.entry.restarts {shlex.quote(str(spec.run_dir))} "
+        f'"$status" {spec.max_restarts} --requeue && exit 0'
+    )
+    return [f"trap {shlex.quote(f'status=$?; [ $status -ne 0 ] && {command}')} EXIT"]
 
 
 def submitit_resources(component: HetComponent) -> dict[str, Any]:

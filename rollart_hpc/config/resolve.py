@@ -17,7 +17,7 @@ from rollart_hpc.contracts.atomic import atomic_write_bytes
 from rollart_hpc.contracts.errors import UsageError
 
 RESOLVED_NAME = "config.resolved.toml"
-RL_SECTIONS = ("model", "rollout", "envs", "algo", "trainer", "controller")
+RL_SECTIONS = ("model", "rollout", "envs", "reward", "algo", "trainer", "controller")
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:

@@ -138,8 +138,30 @@ class ClusterConfig:
         "A rank given GPUs (roles.<role>.gpus_per_rank) fails when torch sees no CUDA device; false: it "
         "warns and runs on CPU (the local SLURM test cluster's fake GPUs).",
     )
+    max_restarts: int = doc_field(
+        2,
+        "SLURM jobs (`launch.py submit`): after a rank fails or is killed, restart the run from its last "
+        "complete checkpoint up to this many times in all (recorded in run_dir/restarts.jsonl; a failure "
+        "that repeats at the same checkpoint step stops early): the sbatch script starts a new srun step "
+        "in the same allocation, a submitit job is requeued. 0: a crash ends the job FAILED and "
+        "`launch.py resume` continues it. Local runs take `--max-restarts N` instead.",
+    )
+
+    sigterm_grace_s: float = doc_field(
+        0.0,
+        "SIGTERM (scancel, a node drain, the local launcher's stop) stops the run at a checkpoint like "
+        "SIGUSR1/2, if the controller can begin writing it within this many seconds (a step with the "
+        "trainers is awaited); past that the controller fails without one and the last complete "
+        "checkpoint stands. Every rank then ignores SIGTERM and follows the controller's shutdown (set "
+        "SLURM's KillWait above it; the local launcher still ends its world 5 s after its own SIGTERM). "
+        "0: SIGTERM ends a rank at once.",
+    )
 
     def validate(self, path: str) -> None:
+        if self.sigterm_grace_s < 0:
+            raise UsageError(f"{path}.sigterm_grace_s: must be >= 0, got {self.sigterm_grace_s}")
+        if self.max_restarts < 0:
+            raise UsageError(f"{path}.max_restarts: must be >= 0, got {self.max_restarts}")
         if self.peer_timeout_s <= 0:
             raise UsageError(f"{path}.peer_timeout_s: must be > 0, got {self.peer_timeout_s}")
         if self.launch_timeout_s < 0:
@@ -217,6 +239,21 @@ class RolloutConfig:
     top_k: int = doc_field(0, "Top-k sampling (0 = off).")
     max_new_tokens: int = doc_field(32, "Longest generation of one agent turn.")
     num_threads: int = doc_field(1, "torch threads of a rollout rank.")
+    max_engine_rebuilds: int = doc_field(
+        3,
+        "Engine failures a rollout rank survives in a run: a failed engine (an exception from step, "
+        "add_request or update_weights; a dead vLLM engine core) is closed and rebuilt from the newest "
+        "weights, its requests end as failed episodes (cause llm_error); each failure, or failed rebuild, "
+        "uses one; once spent the next failure ends the run naming the rank (0 = no rebuilds).",
+    )
+    fault_step_prob: float = doc_field(
+        0.0,
+        "For testing only: probability that an engine step with requests raises an injected failure "
+        "(seeded by run.seed and the rank), exercising the rebuild path.",
+    )
+    num_faults: int = doc_field(
+        0, "For testing only: most injected engine failures per rollout rank (needs fault_step_prob > 0)."
+    )
 
     def validate(self, path: str) -> None:
         if self.tensor_parallel_size < 1 or (self.engine == "builtin" and self.tensor_parallel_size != 1):
@@ -225,6 +262,14 @@ class RolloutConfig:
             )
         if self.num_slots < 1 or self.max_model_len < 16 or self.max_new_tokens < 1:
             raise UsageError(f"{path}: num_slots >= 1, max_model_len >= 16, max_new_tokens >= 1 required")
+        if self.max_engine_rebuilds < 0:
+            raise UsageError(f"{path}.max_engine_rebuilds: must be >= 0, got {self.max_engine_rebuilds}")
+        if not 0.0 <= self.fault_step_prob < 1.0:
+            raise UsageError(f"{path}.fault_step_prob: must be in [0, 1), got {self.fault_step_prob}")
+        if self.num_faults < 0 or (self.num_faults > 0) != (self.fault_step_prob > 0):
+            raise UsageError(
+                f"{path}.num_faults: must be >= 1 exactly when fault_step_prob > 0 (an option with no effect)"
+            )
 
 
 @dataclass(frozen=True)
@@ -269,6 +314,25 @@ class EnvsConfig:
                 raise UsageError(f"{path}.num_tasks.{name}: family not in {path}.families")
         if not self.families or self.num_slots < 1:
             raise UsageError(f"{path}: needs at least one family and num_slots >= 1")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    max_score_attempts: int = doc_field(
+        3,
+        "Tries to score one trajectory: a reward function that raises (or a worker pool that broke, "
+        "which is then rebuilt) is retried; after this many failures the trajectory goes to the "
+        "controller as failed (cause reward_error), never trained unscored.",
+    )
+    fault_prob: float = doc_field(
+        0.0, "For testing only: probability that one reward call raises an injected failure (seeded)."
+    )
+
+    def validate(self, path: str) -> None:
+        if self.max_score_attempts < 1:
+            raise UsageError(f"{path}.max_score_attempts: must be >= 1, got {self.max_score_attempts}")
+        if not 0.0 <= self.fault_prob < 1.0:
+            raise UsageError(f"{path}.fault_prob: must be in [0, 1), got {self.fault_prob}")
 
 
 @dataclass(frozen=True)
@@ -324,13 +388,20 @@ class ControllerConfig:
         10, "Run checkpoint every this many steps (0 = only on SIGUSR1/2)."
     )
     keep_checkpoints: int = doc_field(2, "Complete checkpoints kept (older ones are removed).")
+    checkpoint_every_s: float = doc_field(
+        0.0,
+        "Also checkpoint once this many seconds have passed since the last checkpoint (or the start of "
+        "this attempt) and a step was trained since (0 = off).",
+    )
 
     def validate(self, path: str) -> None:
         natural = MODE_STALENESS.get(self.mode)
         if natural is not None and self.max_staleness not in (-1, natural):
             raise UsageError(f"{path}.max_staleness: mode {self.mode!r} implies {natural}; leave it at -1")
-        if self.checkpoint_every_steps < 0 or self.keep_checkpoints < 1:
-            raise UsageError(f"{path}: checkpoint_every_steps >= 0 and keep_checkpoints >= 1 required")
+        if self.checkpoint_every_steps < 0 or self.keep_checkpoints < 1 or self.checkpoint_every_s < 0:
+            raise UsageError(
+                f"{path}: checkpoint_every_steps >= 0, checkpoint_every_s >= 0 and keep_checkpoints >= 1 required"
+            )
         if self.batch_size < 1 or self.num_steps < 1 or self.max_staleness < -1:
             raise UsageError(f"{path}: batch_size >= 1, num_steps >= 1, max_staleness >= -1 required")
 
@@ -348,6 +419,7 @@ class Config:
     model: PolicyModelConfig = doc_field(PolicyModelConfig, "The policy model (run.job = 'rl').")
     rollout: RolloutConfig = doc_field(RolloutConfig, "Rollout engines (run.job = 'rl').")
     envs: EnvsConfig = doc_field(EnvsConfig, "Environments and env workers (run.job = 'rl').")
+    reward: RewardConfig = doc_field(RewardConfig, "Reward workers (run.job = 'rl').")
     algo: AlgoConfig = doc_field(AlgoConfig, "SPO++ / SPO algorithm (run.job = 'rl').")
     trainer: TrainingConfig = doc_field(TrainingConfig, "Trainer (run.job = 'rl').")
     controller: ControllerConfig = doc_field(

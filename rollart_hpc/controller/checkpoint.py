@@ -2,6 +2,9 @@
 `trainer/`, the controller's state in `controller.pkl`, and `COMPLETE` written last.
 
 Readers trust a checkpoint only when `COMPLETE` exists (an interrupted save is ignored and later removed).
+`COMPLETE` also lists every file of the checkpoint with its size; `latest_valid` discards (with a log line)
+a complete checkpoint whose files are missing, truncated or unreadable and falls back to the next older one,
+so a damaged newest checkpoint costs the steps since the older one instead of every later restart.
 The controller's state holds the `ControllerCore` state (versions, counters, tickets in flight, buffered
 trajectories, tracker, sampler RNG), the HDF5 store position and the per-rollout version history; a
 resumed run truncates the store and `metrics.jsonl` back to that point, so nothing is counted twice.
@@ -13,6 +16,7 @@ import dataclasses
 import json
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,9 +104,50 @@ def write_controller_state(path: Path, state: dict[str, Any], config: Config) ->
     """Controller part of a checkpoint; marks the checkpoint complete (the trainer part is already there).
     The marker carries the config fingerprint that `check_fingerprint` compares on resume."""
     atomic_write_bytes(path / CONTROLLER_STATE, pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
-    atomic_write_json(
-        path / COMPLETE, {"version": state["core"]["version"], "config": config_fingerprint(config)}
-    )
+    marker = {
+        "version": state["core"]["version"],
+        "config": config_fingerprint(config),
+        "files": manifest(path),
+    }
+    atomic_write_json(path / COMPLETE, marker)
+
+
+def manifest(path: Path) -> dict[str, int]:
+    """Relative path -> size of every file under a checkpoint directory except its own COMPLETE marker."""
+    files = (p for p in sorted(path.rglob("*")) if p.is_file() and p != path / COMPLETE)
+    return {str(p.relative_to(path)): p.stat().st_size for p in files}
+
+
+def problem(path: Path) -> str | None:
+    """Why a complete checkpoint cannot be resumed from (a file missing, truncated or unreadable), or None.
+    Checkpoints written before markers listed their files are checked for their controller state only."""
+    try:
+        listed: dict[str, int] = json.loads((path / COMPLETE).read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"unreadable {COMPLETE} marker ({exc})"
+    for name, size in listed.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, the checkpoint wrote {size}"
+    try:
+        read_controller_state(path)
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
+def latest_valid(run_dir: Path, log: Callable[[str], None]) -> Path | None:
+    """The newest complete checkpoint whose files pass `problem`; newer damaged ones are removed, each
+    with a log line. Call only when no save can be running (before a world starts, or at its start)."""
+    for path in sorted((p for p in checkpoints_dir(run_dir).glob("step-*") if complete(p)), reverse=True):
+        found = problem(path)
+        if found is None:
+            return path
+        log(f"discarding damaged checkpoint {path}: {found}")
+        shutil.rmtree(path)
+    return None
 
 
 def read_controller_state(path: Path) -> dict[str, Any]:

@@ -26,6 +26,8 @@ def run(controller: Controller) -> bool:
             recovery.save(controller)
             if controller.stop_requested.is_set():
                 return True
+        if controller.stop_requested.is_set():
+            recovery.check_stop_grace()
         controller.dispatch()
         controller.train(recovery.checkpoint_due(controller))
         mailbox.check()

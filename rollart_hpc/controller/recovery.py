@@ -9,21 +9,35 @@ queues the tickets that were in flight to be dispatched again, so nothing is cou
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
+from rollart_hpc.cluster import signals
 from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.controller import checkpoint as ckpt
 from rollart_hpc.controller.state import Controller
 from rollart_hpc.metrics.run_metrics import MetricsWriter, truncate_metrics
 
 
-def checkpoint_due(controller: Controller) -> bool:
-    """A stop was requested, or the periodic interval is reached at a version not yet checkpointed."""
-    every = controller.config.controller.checkpoint_every_steps
+def checkpoint_due(controller: Controller, now: float | None = None) -> bool:
+    """A stop was requested, or at a version not yet checkpointed the step interval is reached or
+    `checkpoint_every_s` seconds have passed since the last checkpoint (or the start)."""
+    c = controller.config.controller
     version = controller.core.version
-    periodic = every > 0 and version % every == 0 and version > controller.last_checkpoint
-    return controller.stop_requested.is_set() or periodic
+    new = version > controller.last_checkpoint
+    periodic = c.checkpoint_every_steps > 0 and version % c.checkpoint_every_steps == 0 and new
+    elapsed = (time.monotonic() if now is None else now) - controller.last_checkpoint_at
+    timed = c.checkpoint_every_s > 0 and new and elapsed >= c.checkpoint_every_s
+    return controller.stop_requested.is_set() or periodic or timed
+
+
+def check_stop_grace() -> None:
+    """A SIGTERM's grace is over before its checkpoint began: fail (the last complete checkpoint stands)."""
+    if signals.past_grace():
+        raise RuntimeError(
+            "SIGTERM: no checkpoint within cluster.sigterm_grace_s; the last complete one stands"
+        )
 
 
 def state_dict(controller: Controller) -> dict[str, Any]:
@@ -47,6 +61,7 @@ def save(controller: Controller) -> Path:
     ckpt.write_controller_state(path, state_dict(controller), controller.config)
     ckpt.prune(ctx.run_dir, controller.config.controller.keep_checkpoints)
     controller.last_checkpoint = controller.core.version
+    controller.last_checkpoint_at = time.monotonic()
     ctx.log.info(f"checkpoint at version {controller.core.version}: {path}")
     return path
 
@@ -90,10 +105,11 @@ def resume(controller: Controller, path: Path) -> None:
 
 
 def resume_or_start(controller: Controller, run_dir: Path) -> Path | None:
-    """Drop partial checkpoints, then resume from the newest complete one (returned) or start fresh."""
+    """Drop partial and damaged checkpoints, then resume from the newest valid one (returned) or start
+    fresh."""
     for partial in ckpt.discard_incomplete(run_dir):
         controller.ctx.log.info(f"removed incomplete checkpoint {partial}")
-    path = ckpt.latest(run_dir)
+    path = ckpt.latest_valid(run_dir, controller.ctx.log.warning)
     if path is not None:
         resume(controller, path)
     else:

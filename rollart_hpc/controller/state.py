@@ -45,10 +45,12 @@ class Controller:
         self.pending_row: dict[str, Any] = {}
         self.started = time.monotonic()
         self.busy: dict[str, float] = {}
+        self.rebuilds: dict[str, dict[str, int]] = {}  # 'role rank r' -> failures and rebuilds inside it
         self.first_success: dict[str, float] = {}
         self.last_success: dict[str, float] = {}
         self.redispatch: list[EpisodeTicket] = []
         self.last_checkpoint = 0  # version of the last checkpoint written or resumed from
+        self.last_checkpoint_at = time.monotonic()  # when it was written (or this attempt began)
         self.wall_offset = 0.0
         self.stop_requested = signals.STOP_REQUESTED  # SIGUSR1/SIGUSR2: checkpoint, then exit
 
@@ -66,6 +68,8 @@ class Controller:
             stats: RankStats = msg.payload
             key = f"{stats.role} rank {msg.source}"
             self.busy[key] = self.busy.get(key, 0.0) + stats.busy_s
+            if stats.role in ("rollout", "reward"):
+                self.rebuilds[key] = {"failures": stats.failures, "rebuilds": stats.rebuilds}
         else:
             raise RuntimeError(f"controller: unexpected message tag {msg.tag} from rank {msg.source}")
 

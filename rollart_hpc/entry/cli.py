@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "rollart_hpc.entry.submit",
         "submit a config to SLURM (hetjob across partitions, else submitit)",
     ),
+    "chaos": ("rollart_hpc.entry.chaos", "inject faults into local runs and check their recovery"),
     "bench": ("rollart_hpc.bench.cli", "benchmarks that write JSON"),
     "report": ("rollart_hpc.metrics.report", "plots and a markdown summary of a run directory"),
     "model": ("rollart_hpc.models.cli", "import or create policy models"),

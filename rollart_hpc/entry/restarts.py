@@ -6,12 +6,21 @@ resume`: inputs checked first, then a new world whose controller resumes), up to
 is appended to `run_dir/restarts.jsonl` (restart number, checkpoint step, cause, time; the file is
 rewritten atomically). When a failure repeats with the same cause at the same checkpoint step, the run
 cannot progress: the launcher stops with one line instead of spending the remaining restarts.
+
+SLURM jobs (`cluster.max_restarts`) use the same rules through `python -m rollart_hpc.entry.restarts
+RUN_DIR STATUS MAX [--requeue]`, which the job scripts run after their srun step ended with STATUS != 0:
+exit 0 when the run is to start again (the restart is recorded first), else 1. The sbatch script then
+starts a new step in its allocation; a submitit job (`--requeue`) is requeued with `scontrol requeue`.
+There the count of restarts is the rows of `restarts.jsonl` (it outlives a requeue), and the repeated
+failure is the last row's cause at the same checkpoint step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -55,8 +64,10 @@ def checked_count(value: int) -> int:
 def check_resumable_run(run_dir: Path, config: Config) -> None:
     """Everything a resumed run reads, checked before any of it changes: the model it starts from, the
     newest checkpoint (same config, readable) and the trajectory store it truncates. UsageError otherwise.
-    (Imports inside: the CLI imports this module to build its parser, and `--help` stays fast.)"""
-    from rollart_hpc.controller.checkpoint import check_resumable, latest
+    A complete checkpoint whose files are damaged is discarded with a line on stderr (the run falls back
+    to an older one, or to the start). (Imports inside: the CLI imports this module to build its parser,
+    and `--help` stays fast.)"""
+    from rollart_hpc.controller.checkpoint import check_resumable, latest_valid
     from rollart_hpc.models.validate import check_model_dir
 
     prepared = run_dir / "model" / "init"
@@ -64,7 +75,7 @@ def check_resumable_run(run_dir: Path, config: Config) -> None:
         check_model_dir(prepared)
     elif config.model.source == "path":
         check_model_dir(config.model.path)
-    checkpoint = latest(run_dir)
+    checkpoint = latest_valid(run_dir, lambda line: print(f"warning: {line}", file=sys.stderr, flush=True))
     if checkpoint is not None:
         check_resumable(run_dir, config, checkpoint)
 
@@ -103,6 +114,7 @@ def run_with_restarts(
     for restart in range(1, max_restarts + 1):
         if outcome.code == 0 or outcome.stopped_by_launcher or outcome.cause is None:
             break
+        before_restart()  # first: it discards a damaged newest checkpoint, which changes `step`
         step = checkpoint_step(run_dir)
         if previous == (outcome.cause, step):
             print(
@@ -113,7 +125,6 @@ def run_with_restarts(
         previous = (outcome.cause, step)
         record_restart(run_dir, step, outcome.cause)
         print(f"restart {restart}/{max_restarts} from step {step} after: {outcome.cause}", flush=True)
-        before_restart()
         outcome = run_world()
     else:
         if max_restarts and outcome.code != 0 and not outcome.stopped_by_launcher:
@@ -121,3 +132,67 @@ def run_with_restarts(
                 f"error: giving up after {max_restarts} restarts (see {run_dir / RESTARTS})", file=sys.stderr
             )
     return outcome.code
+
+
+def step_failure_cause(run_dir: Path, status: int) -> str:
+    """The first failure a rank reported (failures/), else the srun step's exit status."""
+    reports = [json.loads(p.read_text()) for p in (run_dir / "failures").glob("rank-*.json")]
+    if reports:
+        first = min(reports, key=lambda f: f["time"])
+        return f"rank {first['rank']} ({first['role']}) failed: {first['message']}"
+    return f"the srun step exited with status {status} (a rank was killed or crashed)"
+
+
+def restart_after_failed_step(run_dir: Path, status: int, max_restarts: int) -> bool:
+    """A SLURM job's step ended with `status` != 0: True (the restart recorded) when the run should start
+    again from its last checkpoint: not finished, restarts left, its inputs check out (damaged checkpoints
+    are discarded) and not the same failure as the last restart at the same checkpoint step."""
+    from rollart_hpc.config import read_resolved
+
+    rows = read_restarts(run_dir)
+    cause = step_failure_cause(run_dir, status)
+    if (run_dir / "summary.json").exists() or len(rows) >= max_restarts:
+        print(f"[slurm] not restarting: {len(rows)} of {max_restarts} restarts used ({cause})", flush=True)
+        return False
+    try:
+        check_resumable_run(run_dir, read_resolved(run_dir))
+    except UsageError as exc:
+        print(f"[slurm] not restarting: {exc}", flush=True)
+        return False
+    step = checkpoint_step(run_dir)
+    if rows and (rows[-1]["cause"], rows[-1]["step"]) == (cause, step):
+        print(f"[slurm] not restarting: the same failure repeated at step {step}: {cause}", flush=True)
+        return False
+    row = record_restart(run_dir, step, cause)
+    if (run_dir / "failures").exists():
+        shutil.rmtree(run_dir / "failures")  # this attempt's reports are not the next one's
+    print(f"[slurm] restart {row['restart']}/{max_restarts} from step {step} after: {cause}", flush=True)
+    return True
+
+
+def requeue_job() -> None:
+    """`scontrol requeue` this SLURM job (same job id; it resumes from the run's last checkpoint)."""
+    from rollart_hpc.cluster.env import read_process_env
+
+    job_id = read_process_env().slurm_job_id
+    if job_id is None:
+        raise UsageError("--requeue outside a SLURM job")
+    subprocess.run(["scontrol", "requeue", job_id], timeout=60, check=True)
+
+
+def job_script_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollart_hpc.entry.restarts")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("status", type=int, help="exit status of the srun step")
+    parser.add_argument("max_restarts", type=int)
+    parser.add_argument("--requeue", action="store_true", help="requeue the job instead (submitit)")
+    args = parser.parse_args(argv)
+    if args.status == 0 or not restart_after_failed_step(args.run_dir, args.status, args.max_restarts):
+        return 1
+    if args.requeue:
+        requeue_job()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(job_script_main(sys.argv[1:]))

@@ -27,6 +27,7 @@ ROLE_MAINS: dict[str, str] = {
 def main(config: Config, world: World, run_dir: Path) -> None:
     log = rank_logger(world.role, world.rank, run_dir)
     signals.install()  # idempotent; the worker entry installs it first thing (see cluster/signals.py)
+    signals.install_sigterm(config.cluster.sigterm_grace_s)
     watch = range(world.plan.world_size) if world.rank == 0 else [0]
     mailbox = Mailbox(world, watch, config.controller.heartbeat_s)
     ctx = RunContext(config, world, run_dir, log, mailbox)

@@ -132,7 +132,14 @@ def main(args: argparse.Namespace) -> int:
     check_options(args)
     run_dir = Path(args.run_dir or f"runs/{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     check_run_dir(run_dir)
-    spec = JobSpec(config.run.name, run_dir, args.time_min, args.max_requeues, job=config.run.job)
+    spec = JobSpec(
+        config.run.name,
+        run_dir,
+        args.time_min,
+        args.max_requeues,
+        max_restarts=config.cluster.max_restarts,
+        job=config.run.job,
+    )
     if len(plan_partitions(plan)) > 1:
         if args.nodes != 1:
             raise UsageError(

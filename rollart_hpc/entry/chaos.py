@@ -1,0 +1,401 @@
+"""`launch.py chaos CONFIG [key=value ...] --trials N --seed S --json OUT`: fault injection against the
+automatic recovery of local runs.
+
+Each trial runs the config (`launch.py run ... --max-restarts M`, in `WORK_DIR/trial-<i>/`) and injects
+one fault into one rank, both drawn from the seed (each round of three trials has every kind once): `kill` (SIGKILL, any role including the controller),
+`stop` (SIGSTOP for longer than `cluster.peer_timeout_s`: the peers' liveness check ends the world; a rank
+still stopped after the timeout and a margin is SIGKILLed, as a node watchdog would) or `checkpoint` (a
+file of the newest complete checkpoint truncated or deleted, then the rank SIGKILLed: the restart must
+discard that checkpoint and fall back to an older one or to the start). The fault comes after a drawn
+number of optimizer steps plus a drawn fraction of a step. The trial then lets the restarts act and checks
+the finished run from `summary.json` and the HDF5 store: no trajectory lost (dispatched = trained +
+dropped + failed, and the store holds every trained one), none trained twice, the steps trained again
+after the restart and the seconds from the fault to the first new step after it.
+
+Dataflow: this process starts the launcher (its own session) and only reads the run directory (pid
+files, metrics.jsonl, restarts.jsonl, checkpoints) while it waits; it signals ranks by the pid each rank
+wrote. A trial that outlives its timeout gets SIGTERM (the launcher ends its world), then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rollart_hpc.contracts.errors import UsageError
+
+FAULTS = ("kill", "stop", "checkpoint")
+# Applied before the user's overrides (which win): a checkpoint every step, two kept (so a damaged newest
+# one has an older one to fall back to), steps enough for a fault mid-run, a peer timeout short enough
+# for a `stop` trial to end in reasonable time.
+CHAOS_DEFAULTS = (
+    "controller.checkpoint_every_steps=1",
+    "controller.keep_checkpoints=2",
+    "controller.num_steps=8",
+    "cluster.peer_timeout_s=40",
+)
+POLL_S = 0.1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="TOML run config (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides (applied after the chaos defaults)")
+    parser.add_argument("--trials", type=int, default=6, help="runs, one fault each (default 6)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the faults, ranks and times (default 0)")
+    parser.add_argument("--json", required=True, help="write the table of trials here")
+    parser.add_argument("--work-dir", help="run directories go here (default runs/chaos-<timestamp>)")
+    parser.add_argument("--max-restarts", type=int, default=3, help="per trial (default 3)")
+    parser.add_argument("--trial-timeout-s", type=float, default=900.0, help="per trial (default 900)")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every trial shares."""
+
+    config: Path
+    overrides: tuple[str, ...]
+    roles: dict[int, str]  # rank -> role
+    num_steps: int
+    peer_timeout_s: float
+    max_restarts: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    fault: str
+    rank: int
+    role: str
+    after_steps: int  # optimizer steps finished before the fault
+    step_fraction: float  # then this fraction of the last step's duration
+
+
+def main(args: argparse.Namespace) -> int:
+    setup = make_setup(args)
+    work = Path(args.work_dir or f"runs/chaos-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if work.exists() and any(work.iterdir()):
+        raise UsageError(f"work dir {work} is not empty; choose a new --work-dir")
+    work.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    rows = []
+    kinds: list[str] = []
+    for index in range(args.trials):
+        kinds = kinds or rng.sample(FAULTS, len(FAULTS))  # every kind once per round of len(FAULTS)
+        plan = plan_fault(rng, setup, kinds.pop())
+        print(
+            f"trial {index}: {plan.fault} rank {plan.rank} ({plan.role}) after {plan.after_steps} steps",
+            flush=True,
+        )
+        rows.append(run_trial(work / f"trial-{index}", plan, setup, random.Random(f"{args.seed}-{index}")))
+    result = table(rows)
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    print(format_table(result), flush=True)
+    return 0 if result["survived"] == result["trials"] else 1
+
+
+def make_setup(args: argparse.Namespace) -> Setup:
+    from rollart_hpc.cluster.plan import make_plan
+    from rollart_hpc.config import load_config
+
+    if args.trials < 1 or args.max_restarts < 1:
+        raise UsageError("--trials and --max-restarts must be >= 1")
+    overrides = (*CHAOS_DEFAULTS, *args.overrides)
+    config = load_config(args.config, overrides)
+    c = config.controller
+    if config.run.job != "rl" or c.keep_checkpoints < 2 or c.checkpoint_every_steps < 1 or c.num_steps < 3:
+        raise UsageError(
+            "chaos needs an RL run with controller.keep_checkpoints >= 2, "
+            "controller.checkpoint_every_steps >= 1 and controller.num_steps >= 3"
+        )
+    plan = make_plan(config.roles)
+    roles = {rank: plan.role_of(rank).role for rank in range(plan.world_size)}
+    return Setup(
+        Path(args.config).resolve(), overrides, roles, c.num_steps, config.cluster.peer_timeout_s,
+        args.max_restarts, args.trial_timeout_s,
+    )  # fmt: skip
+
+
+def plan_fault(rng: random.Random, setup: Setup, fault: str) -> FaultPlan:
+    rank = rng.choice(sorted(setup.roles))
+    after = rng.randint(1, setup.num_steps - 2)
+    return FaultPlan(fault, rank, setup.roles[rank], after, round(rng.random(), 3))
+
+
+# ---------------------------------------------------------------- reading the run directory while it runs
+
+
+def metric_versions(run_dir: Path) -> list[int]:
+    """Versions of the rows of metrics.jsonl (a half-written last line is skipped)."""
+    versions = []
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        try:
+            versions.append(int(json.loads(line)["version"]))
+        except (ValueError, KeyError):
+            continue
+    return versions
+
+
+def metrics_inode(run_dir: Path) -> int | None:
+    try:
+        return (run_dir / "metrics.jsonl").stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def rank_pid(run_dir: Path, rank: int) -> int | None:
+    try:
+        return int(json.loads((run_dir / "pids" / f"rank-{rank}.pid").read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def restart_rows(run_dir: Path) -> list[dict[str, Any]]:
+    from rollart_hpc.entry.restarts import read_restarts
+
+    try:
+        return read_restarts(run_dir)
+    except ValueError:
+        return []
+
+
+# ---------------------------------------------------------------- one trial
+
+
+@dataclass
+class Injection:
+    at_s: float  # seconds after the trial started
+    at: float  # time.monotonic() of the fault
+    pid: int
+    detail: str
+
+
+def run_trial(run_dir: Path, plan: FaultPlan, setup: Setup, rng: random.Random) -> dict[str, Any]:
+    command = [
+        sys.executable, "-m", "rollart_hpc.entry.cli", "run", str(setup.config), *setup.overrides,
+        "--run-dir", str(run_dir), "--max-restarts", str(setup.max_restarts),
+    ]  # fmt: skip
+    started = time.monotonic()
+    with (run_dir.parent / f"{run_dir.name}.log").open("w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            injection = wait_and_inject(proc, run_dir, plan, started, rng)
+            if injection is not None and plan.fault == "stop":
+                end_stopped(injection, setup.peer_timeout_s)
+            recovery = follow_recovery(proc, run_dir, injection, started + setup.timeout_s)
+            proc.wait(timeout=max(1.0, started + setup.timeout_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            recovery = {}
+        finally:
+            stop_launcher(proc)
+    row = assess(run_dir, proc.returncode, injection, recovery)
+    return {**asdict(plan), **row, "wall_s": round(time.monotonic() - started, 1)}
+
+
+def wait_and_inject(
+    proc: subprocess.Popen[bytes], run_dir: Path, plan: FaultPlan, started: float, rng: random.Random
+) -> Injection | None:
+    """Wait for `after_steps` steps (and, for a checkpoint fault, a complete checkpoint), then a fraction
+    of the last step's duration; inject. None when the run ended first."""
+    from rollart_hpc.controller.checkpoint import latest
+
+    seen: dict[int, float] = {}  # count of rows -> when first seen
+    while proc.poll() is None:
+        count = len(metric_versions(run_dir))
+        seen.setdefault(count, time.monotonic())
+        ready = count >= plan.after_steps and (plan.fault != "checkpoint" or latest(run_dir) is not None)
+        if ready:
+            # The last step's duration where two rows were seen appear, else a guess; at most 10 s.
+            last_step_s = seen[count] - seen[count - 1] if count >= 2 and count - 1 in seen else 2.0
+            time.sleep(plan.step_fraction * min(max(last_step_s, POLL_S), 10.0))
+            pid = rank_pid(run_dir, plan.rank)
+            if pid is not None and proc.poll() is None and (run_dir / "summary.json").exists() is False:
+                detail = inject(plan.fault, pid, run_dir, rng)
+                return Injection(round(time.monotonic() - started, 2), time.monotonic(), pid, detail)
+        time.sleep(POLL_S)
+    return None
+
+
+def inject(fault: str, pid: int, run_dir: Path, rng: random.Random) -> str:
+    if fault == "stop":
+        os.kill(pid, signal.SIGSTOP)
+        return "SIGSTOP"
+    detail = "SIGKILL"
+    if fault == "checkpoint":
+        detail = damage_checkpoint(run_dir, rng) + "; SIGKILL"
+    os.kill(pid, signal.SIGKILL)
+    return detail
+
+
+def damage_checkpoint(run_dir: Path, rng: random.Random) -> str:
+    """Truncate to half or delete one drawn file of the newest complete checkpoint (not its marker)."""
+    from rollart_hpc.controller.checkpoint import COMPLETE, latest
+
+    path = latest(run_dir)
+    assert path is not None
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p != path / COMPLETE)
+    target = rng.choice(files)
+    name = f"{path.name}/{target.relative_to(path)}"
+    if rng.random() < 0.5:
+        size = target.stat().st_size
+        with target.open("r+b") as fh:
+            fh.truncate(size // 2)
+        return f"truncated {name} {size}->{size // 2} bytes"
+    target.unlink()
+    return f"deleted {name}"
+
+
+def end_stopped(injection: Injection, peer_timeout_s: float) -> None:
+    """A stopped rank is ended by the world (its peers time out, the launcher kills it); one still there
+    after the peer timeout and a margin is SIGKILLed here."""
+    deadline = injection.at + peer_timeout_s + 60.0
+    while alive(injection.pid) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    if alive(injection.pid):
+        os.kill(injection.pid, signal.SIGKILL)
+        injection.detail += f"; still stopped after {peer_timeout_s + 60:g}s: SIGKILL"
+    else:
+        injection.detail += f"; ended by the world after {time.monotonic() - injection.at:.1f}s"
+
+
+def follow_recovery(
+    proc: subprocess.Popen[bytes], run_dir: Path, injection: Injection | None, deadline: float
+) -> dict[str, Any]:
+    """Until the run ends: the newest version trained before the first restart, the checkpoint step the
+    restart resumed from, and the seconds from the fault to the first step trained after it."""
+    if injection is None:
+        return {}
+    before = 0
+    while proc.poll() is None and not restart_rows(run_dir) and time.monotonic() < deadline:
+        before = max([before, *metric_versions(run_dir)])
+        time.sleep(POLL_S)
+    before = max([before, *metric_versions(run_dir)])
+    rows = restart_rows(run_dir)
+    if not rows:
+        return {"steps_before": before}
+    resumed, inode = int(rows[0]["step"]), metrics_inode(run_dir)
+    out: dict[str, Any] = {"steps_before": before, "resumed_from": resumed}
+    # The new controller rewrites metrics.jsonl back to the checkpoint (a new file), then appends.
+    while proc.poll() is None and time.monotonic() < deadline:
+        if metrics_inode(run_dir) != inode and any(v > resumed for v in metric_versions(run_dir)):
+            out["recovery_s"] = round(time.monotonic() - injection.at, 2)
+            break
+        time.sleep(POLL_S)
+    return out
+
+
+def stop_launcher(proc: subprocess.Popen[bytes]) -> None:
+    """A launcher still running (trial timeout): SIGTERM (it ends its world), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# ---------------------------------------------------------------- checks after a trial
+
+
+def assess(
+    run_dir: Path, code: int | None, injection: Injection | None, recovery: dict[str, Any]
+) -> dict[str, Any]:
+    lost, duplicated, counts = audit(run_dir)
+    restarts = restart_rows(run_dir)
+    finished = code == 0 and (run_dir / "summary.json").exists()
+    resumed = recovery.get("resumed_from")
+    redone = max(0, recovery["steps_before"] - resumed) if resumed is not None else None
+    return {
+        "injected": injection is not None,
+        "detail": injection.detail if injection else "run ended before the fault",
+        "injected_at_s": injection.at_s if injection else None,
+        "exit_code": code,
+        "finished": finished,
+        "restarts": len(restarts),
+        "resumed_from_step": resumed,
+        "survived": bool(finished and injection and restarts and lost == 0 and duplicated == 0),
+        "lost": lost,
+        "duplicated": duplicated,
+        "steps_redone": redone,
+        "recovery_s": recovery.get("recovery_s"),
+        "accounting": counts,
+    }
+
+
+def audit(run_dir: Path) -> tuple[int | None, int | None, dict[str, int]]:
+    """(lost, duplicated, counts) from summary.json and the store; None where they cannot be read.
+    Lost: dispatched minus trained, dropped and failed, plus trained ones missing from the store.
+    Duplicated: trained store rows beyond the first of each episode id."""
+    from collections import Counter
+
+    from rollart_hpc.store.trajectories import read_store
+
+    try:
+        acc = json.loads((run_dir / "summary.json").read_text())["accounting"]
+        records = read_store(run_dir / "trajectories.h5").records
+    except (OSError, ValueError, KeyError):
+        return None, None, {}
+    counts: dict[str, int] = {
+        "dispatched": int(acc["dispatched"]),
+        "trained": int(acc["trained"]),
+        "dropped": sum(acc["dropped"].values()),
+        "failed": sum(acc["failed"].values()),
+        "store_trained": sum(r.final_status == "trained" for r in records),
+    }
+    done = counts["trained"] + counts["dropped"] + counts["failed"]
+    lost = abs(counts["dispatched"] - done) + max(0, counts["trained"] - counts["store_trained"])
+    ids = Counter(r.episode_id for r in records if r.final_status == "trained")
+    duplicated = sum(n - 1 for n in ids.values()) + max(0, counts["store_trained"] - counts["trained"])
+    return lost, duplicated, counts
+
+
+def table(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "trials": len(rows),
+        "survived": sum(bool(r["survived"]) for r in rows),
+        "lost": sum(r["lost"] or 0 for r in rows),
+        "duplicated": sum(r["duplicated"] or 0 for r in rows),
+        "unreadable": sum(r["lost"] is None for r in rows),
+        "rows": rows,
+    }
+
+
+COLUMNS = (
+    ("trial", 5), ("fault", 10), ("rank", 4), ("role", 10), ("injected_at_s", 13), ("survived", 8),
+    ("lost", 4), ("duplicated", 10), ("steps_redone", 12), ("recovery_s", 10), ("restarts", 8), ("wall_s", 7),
+)  # fmt: skip
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = ["  ".join(name.rjust(width) for name, width in COLUMNS)]
+    for index, row in enumerate(result["rows"]):
+        values = {**row, "trial": index}
+        lines.append("  ".join(str(values[name]).rjust(width) for name, width in COLUMNS))
+        lines.append(f"        {row['detail']}")
+    lines.append(
+        f"trials {result['trials']}  survived {result['survived']}  lost {result['lost']}  "
+        f"duplicated {result['duplicated']}"
+    )
+    return "\n".join(lines)
