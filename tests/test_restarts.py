@@ -131,7 +131,9 @@ def test_killed_rank_is_restarted_from_its_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_failure_repeating_at_the_same_step_stops_restarts(tmp_path):
     run_dir = tmp_path / "repeating"
-    proc = start(run_dir, "controller.num_steps=6", "controller.checkpoint_every_steps=0")
+    proc = start(
+        run_dir, "controller.num_steps=60", "controller.checkpoint_every_steps=0"
+    )  # killed long before the end
     try:
         first = kill_env_when(run_dir, lambda: len(metric_rows(run_dir)) >= 1)
         wait_until(lambda: (run_dir / RESTARTS).exists())

@@ -95,7 +95,9 @@ def test_two_data_parallel_ranks_match_one(tmp_path: Path) -> None:
     initial = load_weights(model_dir)
     assert not torch.equal(dp1["weights"]["model.norm.weight"], initial["model.norm.weight"])
     for name, w1 in dp1["weights"].items():
-        torch.testing.assert_close(dp2["weights"][name], w1, rtol=0, atol=2e-6)
+        # AdamW divides by sqrt(v): on elements whose gradient is near 0 that ordering noise grows towards the
+        # lr (1e-3); 5e-5 still tells a different update apart (the gradients are pinned above).
+        torch.testing.assert_close(dp2["weights"][name], w1, rtol=0, atol=5e-5)
     # The DP=2 checkpoint (written by two ranks) restores the DP=2 weights exactly in a 1-rank trainer.
     assert all(torch.equal(dp1["loaded"][k], dp2["weights"][k]) for k in dp2["weights"])
 

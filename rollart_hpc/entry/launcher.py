@@ -163,6 +163,8 @@ def run_world_outcome(run_dir: Path, world_size: int, timeout_s: float = 0.0) ->
 # Seconds mpiexec gets to exit by itself once the world is over (a rank gone without a word, a rank failed,
 # or every rank finished) before the launcher ends it.
 WORLD_END_GRACE_S = 3.0
+# Ranks seen gone within this many seconds of the first silent death are named with it (one cause).
+SAME_MOMENT_S = 0.1
 
 
 class WorldWatch:
@@ -328,12 +330,15 @@ def report(
     silent = watch.silent_deaths()
     if not failures and silent and reason is None:
         # No rank reported an error: the first process to vanish died without a word (SIGKILL, OOM, crash).
-        rank = silent[0]
-        role = rank_roles(run_dir).get(rank, "?")
-        print(
-            f"error: rank {rank} ({role}) died without reporting an error (killed or crashed)",
-            file=sys.stderr,
-        )
+        # mpiexec may end a peer within the same poll: every rank seen gone at that moment is named.
+        roles = rank_roles(run_dir)
+        first = watch.vanished_at.get(silent[0], 0.0)
+        together = [r for r in silent if watch.vanished_at.get(r, 0.0) - first <= SAME_MOMENT_S]
+        for rank in together:
+            print(
+                f"error: rank {rank} ({roles.get(rank, '?')}) died without reporting an error (killed or crashed)",
+                file=sys.stderr,
+            )
     if leftovers:
         print(f"warning: killed leftover processes of ranks {leftovers}", file=sys.stderr)
     if reason is not None:
