@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,10 +101,7 @@ def one_rank_group() -> Iterator[None]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port
     yield
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -6,9 +6,9 @@ Run as a script under mpiexec, this file is the trainer worker (see `_worker`); 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -28,7 +28,7 @@ def _global_batch(vocab: int) -> PackedBatch:
     return from_sequences(tokens, masks, [[0.0] * n for n in lengths], adv)
 
 
-def _worker(model_dir: str, out: str, port: int, load_from: str) -> None:
+def _worker(model_dir: str, out: str, store: str, load_from: str) -> None:
     import torch.distributed as dist
 
     from rollart_hpc.algo.loss import LossConfig
@@ -37,7 +37,7 @@ def _worker(model_dir: str, out: str, port: int, load_from: str) -> None:
     from rollart_hpc.train.trainer import Trainer
 
     rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     cfg = TrainerConfig(optim=OptimConfig(lr=1e-3), micro_batch_tokens=48, collective_timeout_s=120)
     trainer = Trainer(model_dir, cfg)
     batch = _global_batch(trainer.config.vocab_size)
@@ -62,12 +62,10 @@ def _worker(model_dir: str, out: str, port: int, load_from: str) -> None:
 def _run(num_ranks: int, model_dir: Path, out: Path, load_from: str = "") -> dict:
     from rollart_hpc.entry.launcher import mpi_environment
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     cmd = [mpiexec, "-n", str(num_ranks), "--oversubscribe", sys.executable, __file__]
-    cmd += [str(model_dir), str(out), str(port), load_from]
+    store = out / f"store-{uuid.uuid4().hex}"  # a file store: no port to race for
+    cmd += [str(model_dir), str(out), str(store), load_from]
     env = {**mpi_environment(), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -103,4 +101,4 @@ def test_two_data_parallel_ranks_match_one(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else "")
+    _worker(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "")

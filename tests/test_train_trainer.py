@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,10 +21,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
     from rollart_hpc.models.tiny import make_tiny_model
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port
     folder = make_tiny_model(
         tmp_path_factory.mktemp("tiny") / "llama", family="llama", hidden_size=128, num_layers=2,
         num_heads=2, num_kv_heads=1, tie_word_embeddings=True,

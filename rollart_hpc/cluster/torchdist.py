@@ -1,12 +1,15 @@
 """torch.distributed on top of a World: process group from MPI rendezvous, role groups, timed collectives.
 
-Every rank creates the same groups in the same order (a torch.distributed rule). Collectives run with
+A group's rendezvous (`rendezvous_store`): the first member starts a `TCPStore` server on port 0 (the OS
+picks a free port while it binds: no window in which another process can take it), and sends its
+(host, port) to the other members over MPI; they connect as clients. Every rank creates the same groups in the same order (a torch.distributed rule). Collectives run with
 `async_op=True` and a bounded `wait`; a timeout becomes `PeerTimeoutError` naming the group's peers.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from rollart_hpc.cluster.placement import group_backend
-from rollart_hpc.cluster.world import World, rendezvous_address
+from rollart_hpc.cluster.world import World
 from rollart_hpc.config.schema import ROLE_NAMES
 from rollart_hpc.contracts.errors import PeerTimeoutError
+from rollart_hpc.contracts.protocol import Tag
 
 
 @dataclass
@@ -50,19 +54,32 @@ def timed_wait(work: Any, world: World, what: str, ranks: list[int]) -> None:
         ) from None
 
 
+def rendezvous_store(world: World, member_ranks: list[int], tag: Tag, timeout: dt.timedelta) -> Any:
+    """Collective over `member_ranks` (MPI messages with `tag`): the `TCPStore` of a new torch group.
+    The first member serves it on 127.0.0.1 when every member is on its node, else on its host address."""
+    first = member_ranks[0]
+    if world.rank != first:
+        world.send(world.env.node_name, first, tag)
+        host, port = world.recv(first, tag)
+        return dist.TCPStore(host, port, len(member_ranks), False, timeout, wait_for_workers=False)
+    nodes = [world.recv(peer, tag) for peer in member_ranks[1:]]
+    same_node = all(n == world.env.node_name for n in nodes)
+    host = "127.0.0.1" if same_node else socket.gethostbyname(socket.gethostname())
+    server = dist.TCPStore(host, 0, len(member_ranks), True, timeout, wait_for_workers=False)
+    for peer in member_ranks[1:]:
+        world.send((host, int(server.port)), peer, tag)
+    return server
+
+
 def init_torch_groups(world: World, requested_backend: str) -> TorchGroups:
     """Create the default process group from an MPI rendezvous, then the role and weights groups.
     'auto' is NCCL only when every rank of the world has GPUs (`cluster.placement.group_backend`)."""
     everyone = range(world.plan.world_size)
     backend = group_backend(requested_backend, world.plan, everyone, torch.cuda.is_available())
-    host, port = rendezvous_address(world)
     timeout = dt.timedelta(seconds=world.timeout_s)
+    store = rendezvous_store(world, list(everyone), Tag.RENDEZVOUS, timeout)
     dist.init_process_group(
-        backend,
-        init_method=f"tcp://{host}:{port}",
-        rank=world.rank,
-        world_size=world.plan.world_size,
-        timeout=timeout,
+        backend, store=store, rank=world.rank, world_size=world.plan.world_size, timeout=timeout
     )
     by_role = {}
     for role in ROLE_NAMES:

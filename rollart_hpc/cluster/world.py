@@ -7,7 +7,6 @@ did not answer (role and rank), so a silent peer becomes a clear error, never a 
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -106,20 +105,3 @@ def make_world(plan: RunPlan, env: ProcessEnv, timeout_s: float) -> World:
     if comm.Get_size() != plan.world_size:
         raise RuntimeError(f"MPI world has {comm.Get_size()} ranks but the run plan needs {plan.world_size}")
     return World(comm, plan, env, timeout_s)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
-
-
-def rendezvous_address(world: World) -> tuple[str, int]:
-    """Rank 0 picks a free port and an address every rank can reach; all ranks get it over MPI."""
-    nodes = world.gather_to_root(world.env.node_name)
-    if world.rank == 0:
-        assert nodes is not None
-        same_node = all(n == world.env.node_name for n in nodes)
-        host = "127.0.0.1" if same_node else socket.gethostbyname(socket.gethostname())
-        return world.bcast_from_root((host, free_port()))
-    return world.bcast_from_root(None)  # type: ignore[no-any-return]

@@ -22,9 +22,10 @@ rank -> controller      STATS               RankStats: the rank's busy time, sen
 Infrastructure (not seen by role loops):
 
 any -> watched ranks    HEARTBEAT           None; liveness, consumed by `Mailbox.poll`
-trainer 0 -> trainers   TRAINER_RENDEZVOUS  (host, port) of the trainers' torch.distributed group
+trainer <-> trainer 0   TRAINER_RENDEZVOUS  node name / (host, port) of the trainers' group's TCPStore
 rank <-> rank 0         BARRIER             None; `World.barrier`
-rank <-> rank 0         RENDEZVOUS          any object; `World.bcast_from_root` / `gather_to_root`
+rank <-> rank 0         RENDEZVOUS          any object; `World.bcast_from_root` / `gather_to_root`;
+                                            the world group's TCPStore (`cluster.torchdist`)
 member <-> member 0     WEIGHTS_GROUP       node name / (host, port) of the weights group's TCPStore
 any -> any              SMOKE_HEARTBEAT     (rank, round) of the smoke job
 """

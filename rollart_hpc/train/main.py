@@ -44,32 +44,21 @@ if TYPE_CHECKING:
 
 
 def init_trainer_group(ctx: RunContext) -> None:
-    """The default process group = the trainer ranks, from an MPI rendezvous among them."""
+    """The default process group = the trainer ranks, from a store rendezvous over MPI among them."""
     import torch.distributed as dist
 
-    from rollart_hpc.cluster.world import free_port
+    from rollart_hpc.cluster.torchdist import rendezvous_store
 
     trainers = ctx.ranks["trainer"]
-    first = trainers[0]
-    if ctx.world.rank == first:
-        address = ("127.0.0.1" if len(trainers) == 1 else _host(), free_port())
-        for rank in trainers[1:]:
-            ctx.world.send(address, rank, tag=Tag.TRAINER_RENDEZVOUS)
-    else:
-        address = ctx.world.recv(first, tag=Tag.TRAINER_RENDEZVOUS)
+    timeout = dt.timedelta(seconds=ctx.world.timeout_s)
+    store = rendezvous_store(ctx.world, trainers, Tag.TRAINER_RENDEZVOUS, timeout)
     dist.init_process_group(
         torch_backend(ctx.config.cluster, ctx.world.plan, trainers),
-        init_method=f"tcp://{address[0]}:{address[1]}",
+        store=store,
         rank=trainers.index(ctx.world.rank),
         world_size=len(trainers),
-        timeout=dt.timedelta(seconds=ctx.world.timeout_s),
+        timeout=timeout,
     )
-
-
-def _host() -> str:
-    import socket
-
-    return socket.gethostbyname(socket.gethostname())
 
 
 def set_lr(trainer: Trainer, lr: float) -> None:

@@ -19,13 +19,13 @@ close it and build a new one. Every member must create its groups in the same or
 from __future__ import annotations
 
 import datetime as dt
-import socket
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
+from rollart_hpc.cluster.torchdist import rendezvous_store
 from rollart_hpc.cluster.world import World
 from rollart_hpc.contracts.errors import PeerTimeoutError, UsageError
 from rollart_hpc.contracts.protocol import Tag
@@ -113,7 +113,7 @@ def make_standalone_group(
     if len(set(member_ranks)) != len(member_ranks):
         raise ValueError(f"duplicate ranks in group members {member_ranks}")
     timeout = dt.timedelta(seconds=timeout_s)
-    store = _rendezvous_store(world, member_ranks, timeout)
+    store = rendezvous_store(world, member_ranks, Tag.WEIGHTS_GROUP, timeout)
     member = member_ranks.index(world.rank)
     try:
         pg = _make_backend(backend, store, member, len(member_ranks), timeout)
@@ -123,21 +123,6 @@ def make_standalone_group(
             f"{world.me}: weight group did not form within {timeout_s:g}s; peers: {peers} ({exc})"
         ) from exc
     return StandaloneGroup(world, list(member_ranks), backend, timeout_s, pg, store)
-
-
-def _rendezvous_store(world: World, member_ranks: list[int], timeout: dt.timedelta) -> Any:
-    first = member_ranks[0]
-    if world.rank != first:
-        world.send(world.env.node_name, first, Tag.WEIGHTS_GROUP)
-        host, port = world.recv(first, Tag.WEIGHTS_GROUP)
-        return dist.TCPStore(host, port, len(member_ranks), False, timeout, wait_for_workers=False)
-    nodes = [world.recv(peer, Tag.WEIGHTS_GROUP) for peer in member_ranks[1:]]
-    same_node = all(n == world.env.node_name for n in nodes)
-    host = "127.0.0.1" if same_node else socket.gethostbyname(socket.gethostname())
-    server = dist.TCPStore(host, 0, len(member_ranks), True, timeout, wait_for_workers=False)
-    for peer in member_ranks[1:]:
-        world.send((host, int(server.port)), peer, Tag.WEIGHTS_GROUP)
-    return server
 
 
 def _make_backend(backend: Backend, store: Any, member: int, size: int, timeout: dt.timedelta) -> Any:
