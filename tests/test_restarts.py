@@ -59,6 +59,16 @@ def test_same_failure_at_same_step_stops_early(tmp_path, capsys):
     assert "not restarting: the same failure repeated at step 1" in capsys.readouterr().err
 
 
+def test_silent_deaths_are_one_cause_whichever_rank_is_named(tmp_path, capsys):
+    other_rank = WorldOutcome(1, "rank 3 (reward) died without reporting an error", False)
+    world = FakeWorld(tmp_path, [(0, other_rank), (0, DIED), (0, OK)])
+    assert run_with_restarts(tmp_path, world.run, 5, world.check) == 1 and world.calls == 2
+    assert "the same failure repeated at step 0" in capsys.readouterr().err
+    reported = [WorldOutcome(1, f"rank 2 (env) failed: {m}", False) for m in ("disk full", "bad game")]
+    world = FakeWorld(tmp_path / "reported", [(0, reported[0]), (0, reported[1]), (0, OK)])
+    assert run_with_restarts(tmp_path / "reported", world.run, 5, world.check) == 0 and world.calls == 3
+
+
 def test_no_restart_for_a_stop_by_the_launcher_or_without_budget(tmp_path, capsys):
     stopped = WorldOutcome(130, "rank 0 (controller) died without reporting an error", True)
     world = FakeWorld(tmp_path, [(0, stopped)])

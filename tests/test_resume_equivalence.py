@@ -76,13 +76,6 @@ def resume(run_dir):
     )
 
 
-def wait_until(predicate, timeout_s=600):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 def rank_pid(run_dir, rank):
     return json.loads((run_dir / "pids" / f"rank-{rank}.pid").read_text())["pid"]
 
@@ -149,11 +142,26 @@ def assert_same_after(run_dir, reference, resumed_at):
 def test_stopped_and_killed_runs_resume_exactly(tmp_path):
     reference, stopped, killed = (tmp_path / n for n in ("reference", "stopped", "killed"))
     procs = {d: start(d) for d in (reference, stopped, killed)}
+    # Each fault is sent the moment its world is ready, watching both worlds at once: the worlds start
+    # together but not in step, and a short run may finish while the other is still starting.
+    faults = {
+        stopped: (
+            lambda: (stopped / "metrics.jsonl").exists() and len(metrics(stopped)) >= 1,
+            0,
+            signal.SIGUSR1,
+        ),
+        killed: (lambda: latest(killed) is not None, 2, signal.SIGKILL),
+    }
     try:
-        wait_until(lambda: (stopped / "metrics.jsonl").exists() and len(metrics(stopped)) >= 1)
-        os.kill(rank_pid(stopped, 0), signal.SIGUSR1)
-        wait_until(lambda: latest(killed) is not None)
-        os.kill(rank_pid(killed, 2), signal.SIGKILL)
+        deadline = time.monotonic() + 600
+        while faults:
+            for run_dir, (ready, rank, sig) in list(faults.items()):
+                if ready():
+                    assert procs[run_dir].poll() is None, f"{run_dir.name} ended before its fault"
+                    os.kill(rank_pid(run_dir, rank), sig)
+                    del faults[run_dir]
+            assert time.monotonic() < deadline, f"not ready in time: {[d.name for d in faults]}"
+            time.sleep(0.02)
         out, _ = finish(procs[stopped])
         assert "stop requested: checkpointed at version" in out
         finish(procs[killed], ok=False)

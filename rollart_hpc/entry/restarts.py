@@ -5,7 +5,9 @@ the launcher starts the run again from its last complete checkpoint (the same pa
 resume`: inputs checked first, then a new world whose controller resumes), up to N times. Each restart
 is appended to `run_dir/restarts.jsonl` (restart number, checkpoint step, cause, time; the file is
 rewritten atomically). When a failure repeats with the same cause at the same checkpoint step, the run
-cannot progress: the launcher stops with one line instead of spending the remaining restarts.
+cannot progress: the launcher stops with one line instead of spending the remaining restarts. Deaths
+without a word count as one cause whichever rank is named (`failure_kind`): a SIGKILL, an OOM kill or a
+lost node takes peers down within milliseconds, and which of them the launcher saw first is chance.
 
 SLURM jobs (`cluster.max_restarts`) use the same rules through `python -m rollart_hpc.entry.restarts
 RUN_DIR STATUS MAX [--requeue]`, which the job scripts run after their srun step ended with STATUS != 0:
@@ -101,6 +103,15 @@ def record_restart(run_dir: Path, step: int, cause: str) -> dict[str, Any]:
     return row
 
 
+SILENT_DEATH = "died without reporting an error"
+
+
+def failure_kind(cause: str) -> str:
+    """What makes two failures 'the same': a reported error with its rank and message; for a death
+    without a word only that (which rank of a world torn down at once is named first is timing)."""
+    return SILENT_DEATH if cause.endswith(SILENT_DEATH) else cause
+
+
 def run_with_restarts(
     run_dir: Path,
     run_world: Callable[[], WorldOutcome],
@@ -116,13 +127,13 @@ def run_with_restarts(
             break
         before_restart()  # first: it discards a damaged newest checkpoint, which changes `step`
         step = checkpoint_step(run_dir)
-        if previous == (outcome.cause, step):
+        if previous == (failure_kind(outcome.cause), step):
             print(
                 f"error: not restarting: the same failure repeated at step {step}: {outcome.cause}",
                 file=sys.stderr,
             )
             break
-        previous = (outcome.cause, step)
+        previous = (failure_kind(outcome.cause), step)
         record_restart(run_dir, step, outcome.cause)
         print(f"restart {restart}/{max_restarts} from step {step} after: {outcome.cause}", flush=True)
         outcome = run_world()
@@ -160,7 +171,7 @@ def restart_after_failed_step(run_dir: Path, status: int, max_restarts: int) -> 
         print(f"[slurm] not restarting: {exc}", flush=True)
         return False
     step = checkpoint_step(run_dir)
-    if rows and (rows[-1]["cause"], rows[-1]["step"]) == (cause, step):
+    if rows and (failure_kind(rows[-1]["cause"]), rows[-1]["step"]) == (failure_kind(cause), step):
         print(f"[slurm] not restarting: the same failure repeated at step {step}: {cause}", flush=True)
         return False
     row = record_restart(run_dir, step, cause)
