@@ -177,13 +177,16 @@ class ControllerCore:
         self._in_flight_by_version[ticket.version] -= 1
         if not self._in_flight_by_version[ticket.version]:
             del self._in_flight_by_version[ticket.version]
-        self.sampler.release(ticket.task_id)
         if trajectory.status == "failed":
+            self.sampler.release(ticket.task_id)
             self.admitted -= 1  # frees its admission slot; nothing was learned from it
             self.failed[trajectory.failure_cause] += 1
             return "failed"
-        self.tracker.observe(ticket.task_id, trajectory.reward, ticket.event)
-        self.sampler.refresh(ticket.task_id)
+        try:  # refresh before release: a task at its cap then gets its new weight in one tree update
+            self.tracker.observe(ticket.task_id, trajectory.reward, ticket.event)
+            self.sampler.refresh(ticket.task_id)
+        finally:  # the slot is freed even when the tracker refuses the result
+            self.sampler.release(ticket.task_id)
         if self.version - ticket.version > self.max_staleness:
             self.dropped["stale"] += 1
             return "dropped"
