@@ -76,6 +76,8 @@ def test_value_checks():
         build(Config, {"roles": {"controller": {"num_ranks": 2}}})
     with pytest.raises(UsageError, match=r"cluster\.peer_timeout_s: must be > 0"):
         build(Config, {"cluster": {"peer_timeout_s": 0}})
+    with pytest.raises(UsageError, match=r"trainer: ppo_epochs and num_minibatches must be >= 1, got 0, 1"):
+        build(Config, {"trainer": {"ppo_epochs": 0}})
 
 
 def test_cross_section_invariant(tmp_path):

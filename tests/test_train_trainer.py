@@ -54,9 +54,21 @@ def _with_behaviour(batch: PackedBatch, logprobs: torch.Tensor) -> PackedBatch:
     return PackedBatch(batch.tokens, batch.cu_seqlens, batch.action_mask, blp, batch.advantages)
 
 
-def _trainer(model_dir: Path, lr: float = 1e-3, micro_batch_tokens: int = 4096) -> Trainer:
+def _trainer(
+    model_dir: Path,
+    lr: float = 1e-3,
+    micro_batch_tokens: int = 4096,
+    ppo_epochs: int = 1,
+    num_minibatches: int = 1,
+) -> Trainer:
     optim = OptimConfig(lr=lr, weight_decay=0.01, grad_clip=1.0)
-    return Trainer(model_dir, TrainerConfig(optim=optim, micro_batch_tokens=micro_batch_tokens))
+    cfg = TrainerConfig(
+        optim=optim,
+        micro_batch_tokens=micro_batch_tokens,
+        ppo_epochs=ppo_epochs,
+        num_minibatches=num_minibatches,
+    )
+    return Trainer(model_dir, cfg)
 
 
 def _seq_mean(values: torch.Tensor, batch: PackedBatch, i: int) -> float:
@@ -112,6 +124,35 @@ def test_rl_step_raises_logprobs_of_positive_advantage_sequences(model_dir: Path
     assert float(trainer.grad_buffer.abs().max()) == 0.0
 
 
+def test_ppo_epochs_and_minibatches_update_against_the_proximal_policy(model_dir: Path) -> None:
+    """Two epochs of two minibatches: four AdamW steps, each against the log-probs of the step's start,
+    so the ratio leaves 1 and the clip acts; the first update is a one-update step on its minibatch."""
+    ppo = _trainer(model_dir, lr=3e-2, ppo_epochs=2, num_minibatches=2)
+    batch = _batch(ppo.config.vocab_size, [20, 26, 14, 18], [1.0, -1.0, 2.0, -2.0], seed=9)
+    batch = _with_behaviour(batch, ppo.logprobs(batch))
+    metrics = ppo.rl_step(batch, batch.num_action_tokens, LossConfig())
+    assert metrics["num_updates"] == 4 and ppo.step == 4
+    assert metrics["clip_fraction"] > 0 and metrics["approx_kl"] > 0
+    assert (
+        metrics["num_action_tokens"] == batch.num_action_tokens and metrics["num_tokens"] == batch.num_tokens
+    )
+    first_half = select(batch, [0, 1])
+    one = _trainer(model_dir, lr=3e-2)
+    m1 = one.rl_step(first_half, first_half.num_action_tokens, LossConfig())
+    assert m1["num_updates"] == 1 and m1["clip_fraction"] == 0.0
+    again = _trainer(model_dir, lr=3e-2, num_minibatches=2, ppo_epochs=1)
+    again.optimizer.step = lambda: None  # type: ignore[method-assign]  # keep the start weights: grads only
+    again._policy_update(first_half, first_half.num_action_tokens, LossConfig(), again.logprobs(first_half))
+    torch.testing.assert_close(again.grad_buffer, one.grad_buffer, rtol=1e-5, atol=1e-7)
+
+
+def test_more_minibatches_than_sequences_skip_the_empty_ones(model_dir: Path) -> None:
+    trainer = _trainer(model_dir, lr=1e-3, num_minibatches=4)
+    batch = _batch(trainer.config.vocab_size, [20, 26], [1.0, -1.0], seed=4)
+    batch = _with_behaviour(batch, trainer.logprobs(batch))
+    assert trainer.rl_step(batch, batch.num_action_tokens, LossConfig())["num_updates"] == 2
+
+
 def test_gradients_do_not_depend_on_the_micro_batch_split(model_dir: Path) -> None:
     whole, split = _trainer(model_dir, micro_batch_tokens=4096), _trainer(model_dir, micro_batch_tokens=30)
     batch = _batch(whole.config.vocab_size, [20, 26, 14, 9, 11], [1.0, -0.5, 0.3, 2.0, -1.0], seed=5)
@@ -152,7 +193,7 @@ def test_rl_step_reports_the_algorithm_library_loss_and_diagnostics(model_dir: P
     assert float(ref.is_capped_fraction) > 0 and float(ref.is_weight) > 0
     for name, value in ref.summed().items():
         assert metrics[name] == pytest.approx(float(value), rel=1e-5, abs=1e-7), name
-    assert set(metrics) == {*ref.summed(), "loss", "grad_norm", "num_tokens", "num_action_tokens", "step"}
+    assert set(metrics) == {*ref.summed(), "loss", "grad_norm", "num_tokens", "num_action_tokens", "step", "num_updates"}
 
 
 def _params(trainer: Trainer) -> list[torch.Tensor]:

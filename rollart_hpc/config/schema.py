@@ -366,10 +366,20 @@ class TrainingConfig:
     )
     num_threads: int = doc_field(1, "torch threads of a trainer rank.")
     bucket_mb: float = doc_field(32.0, "Weight publication bucket size, MiB.")
+    ppo_epochs: int = doc_field(
+        1, "PPO epochs over each RL batch (> 1: the proximal log-probs are the step's start, clipping acts)."
+    )
+    num_minibatches: int = doc_field(
+        1, "Minibatches per PPO epoch, one optimizer step each (a trainer rank's sequences split evenly)."
+    )
 
     def validate(self, path: str) -> None:
         if self.lr <= 0 or self.sft_lr <= 0 or self.micro_batch_tokens < 64 or self.sft_steps < 0:
             raise UsageError(f"{path}: lr, sft_lr > 0, micro_batch_tokens >= 64, sft_steps >= 0 required")
+        if self.ppo_epochs < 1 or self.num_minibatches < 1:
+            raise UsageError(
+                f"{path}: ppo_epochs and num_minibatches must be >= 1, got {self.ppo_epochs}, {self.num_minibatches}"
+            )
 
 
 @dataclass(frozen=True)

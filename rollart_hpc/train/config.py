@@ -39,6 +39,8 @@ class TrainerConfig:
     """micro_batch_tokens: padded tokens (rows x longest row) per forward/backward pass.
     compute_dtype: "float32", or "bfloat16" (autocast; GPU only; master weights and optimizer stay fp32).
     seed: Megatron's RNG tracker seed. collective_timeout_s: bound on every collective and barrier.
+    ppo_epochs, num_minibatches: PPO updates of an RL step (epochs over the batch x minibatches per
+    epoch; `Trainer.rl_step`); 1 and 1 = one optimizer step per batch.
     """
 
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -46,8 +48,14 @@ class TrainerConfig:
     compute_dtype: str = "float32"
     seed: int = 0
     collective_timeout_s: float = 600.0
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
 
     def __post_init__(self) -> None:
+        if self.ppo_epochs < 1 or self.num_minibatches < 1:
+            raise ValueError(
+                f"ppo_epochs and num_minibatches must be >= 1, got {self.ppo_epochs}, {self.num_minibatches}"
+            )
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -65,4 +73,6 @@ class TrainerConfig:
             micro_batch_tokens=section.micro_batch_tokens,
             seed=seed,
             collective_timeout_s=timeout_s,
+            ppo_epochs=section.ppo_epochs,
+            num_minibatches=section.num_minibatches,
         )

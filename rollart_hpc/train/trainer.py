@@ -31,7 +31,6 @@ from rollart_hpc.train.batch import (
     PaddedRows,
     micro_batch_groups,
     select,
-    split_micro_batches,
     to_padded_rows,
     token_positions,
 )
@@ -42,8 +41,9 @@ from rollart_hpc.train.model import ensure_model_parallel, gpt_from_hf
 HF_WEIGHTS = "model.safetensors"
 HF_MARKER = "COMPLETE"
 RL_METRICS = SUMMED_DIAGNOSTICS  # the policy-loss diagnostics the RL step reports (summed over ranks)
-# Per-micro-batch loss: (micro-batch, its per-token log-probs [T] with grad) -> (loss, metric sums).
-LossFn = Callable[[PackedBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# Per-micro-batch loss: (micro-batch, its per-token log-probs [T] with grad, the positions of its tokens
+# in the batch given to the step) -> (loss, metric sums).
+LossFn = Callable[[PackedBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 class Trainer:
@@ -94,9 +94,11 @@ class Trainer:
             lo, hi = int(batch.tokens.min()), int(batch.tokens.max())
             raise ValueError(f"token ids must lie in [0, {vocab}), got {lo}..{hi}")
 
-    def _micro_batches(self, batch: PackedBatch) -> Iterator[PackedBatch]:
+    def _micro_batches(self, batch: PackedBatch) -> Iterator[tuple[PackedBatch, torch.Tensor]]:
+        """Each micro-batch with the positions of its tokens in `batch`."""
         self._check_tokens(batch)
-        yield from split_micro_batches(batch, self.cfg.micro_batch_tokens)
+        for group in micro_batch_groups(batch, self.cfg.micro_batch_tokens):
+            yield select(batch, group), token_positions(batch, group)
 
     @torch.no_grad()
     def logprobs(self, batch: PackedBatch) -> torch.Tensor:
@@ -119,8 +121,8 @@ class Trainer:
         (no micro-batch) contributes zeros, so every rank reduces the same tensor."""
         self._grad.zero_()
         sums = {n: torch.zeros((), dtype=torch.float64, device=self.device) for n in ("loss", *names)}
-        for micro in self._micro_batches(batch):
-            loss, parts = loss_fn(micro, self._token_logprobs(micro))
+        for micro, positions in self._micro_batches(batch):
+            loss, parts = loss_fn(micro, self._token_logprobs(micro), positions)
             loss.backward()
             for name, value in {"loss": loss, **parts}.items():
                 sums[name] += value.detach().double()
@@ -162,7 +164,9 @@ class Trainer:
         denom = num_global_action_tokens
         _check_denominator(denom, batch)
 
-        def nll(micro: PackedBatch, lp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        def nll(
+            micro: PackedBatch, lp: torch.Tensor, _: torch.Tensor
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             mask = micro.action_mask.to(self.device)
             return -(torch.where(mask, lp, 0.0).sum() / denom), {}
 
@@ -171,15 +175,60 @@ class Trainer:
     def rl_step(
         self, batch: PackedBatch, num_global_action_tokens: int, loss_cfg: LossConfig
     ) -> dict[str, float]:
-        """One AdamW step on the SPO++ policy loss (`rollart_hpc.algo.loss.policy_loss`, config `loss_cfg`).
+        """The PPO updates of one RL step on the SPO++ policy loss (`rollart_hpc.algo.loss.policy_loss`).
 
-        Proximal (old) log-probs are the current ones, detached: one optimizer step per batch. Metrics
-        are global token means: loss, approx_kl, clip_fraction, dual_clip_fraction, is_capped_fraction,
-        is_weight, plus grad_norm, num_tokens, num_action_tokens and step."""
+        One update (`ppo_epochs` = `num_minibatches` = 1, the default): one AdamW step on the whole
+        batch, with the current log-probs, detached, as the proximal ones (the ratio is 1 at its start).
+        More: the proximal log-probs are those of the weights at the step's start, computed once before
+        the first update; each of `ppo_epochs` epochs walks this rank's sequences in `num_minibatches`
+        contiguous minibatches, one AdamW step each, the loss divided by that minibatch's global
+        action-token count (one all_reduce of the counts). From the second update on the ratio moves
+        away from 1, so the clip, the dual clip and the importance cap act. A minibatch empty on every
+        rank is skipped by all. Metrics are means over the updates of the global token means (loss,
+        approx_kl, clip_fraction, dual_clip_fraction, is_capped_fraction, is_weight, grad_norm), plus
+        num_updates, num_tokens and num_action_tokens of the whole batch, and step."""
         _check_denominator(num_global_action_tokens, batch)
+        if self.cfg.ppo_epochs == 1 and self.cfg.num_minibatches == 1:
+            return self._policy_update(batch, num_global_action_tokens, loss_cfg, None) | {"num_updates": 1.0}
+        proximal = self.logprobs(batch)
+        groups = [
+            list(map(int, g)) for g in torch.arange(batch.num_sequences).chunk(self.cfg.num_minibatches)
+        ]
+        groups += [[]] * (self.cfg.num_minibatches - len(groups))  # fewer sequences than minibatches
+        local = [float(select(batch, g).num_action_tokens) for g in groups] + [float(batch.num_tokens)]
+        counts = torch.tensor(local, dtype=torch.float64, device=self.device)
+        *per_group, num_tokens = comm.all_reduce_sum(
+            counts, "minibatch token counts", self.cfg.collective_timeout_s
+        ).tolist()
+        updates = []
+        for _ in range(self.cfg.ppo_epochs):
+            for group, count in zip(groups, per_group, strict=True):
+                if count > 0:
+                    mini, old = select(batch, group), proximal[token_positions(batch, group)]
+                    updates.append(self._policy_update(mini, int(count), loss_cfg, old))
+        metrics = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+        metrics.update(
+            num_tokens=num_tokens,
+            num_action_tokens=float(sum(per_group)),
+            num_updates=float(len(updates)),
+            step=float(self.step),
+        )
+        return metrics
 
-        def spo(micro: PackedBatch, lp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            loss, diagnostics = policy_loss(lp, micro, loss_cfg, num_global_action_tokens)
+    def _policy_update(
+        self,
+        batch: PackedBatch,
+        num_global_action_tokens: int,
+        loss_cfg: LossConfig,
+        proximal: torch.Tensor | None,
+    ) -> dict[str, float]:
+        """One AdamW step on the policy loss of `batch`; `proximal` [T] (None: the current, detached)."""
+
+        def spo(
+            micro: PackedBatch, lp: torch.Tensor, positions: torch.Tensor
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            old = None if proximal is None else proximal[positions]
+            loss, diagnostics = policy_loss(lp, micro, loss_cfg, num_global_action_tokens, old)
             return loss, diagnostics.summed()
 
         return self._run_step(batch, spo, RL_METRICS)
