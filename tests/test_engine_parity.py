@@ -171,3 +171,37 @@ def test_chunked_prefill_gives_same_tokens(model_dir: Path) -> None:
     chunked = _run(chunked_engine, requests)
     for rid in requests:
         assert chunked[rid].token_ids == whole[rid].token_ids
+
+
+def test_batch_invariant_requests_are_bit_identical_together_or_alone(model_dir: Path) -> None:
+    """With batch_invariant, sampled tokens and their log-probs are the same bits whichever requests share
+    the steps (a long prompt chunked next to decodes, a request added mid-flight, other slots)."""
+    vocab = load_config(model_dir).vocab_size
+    prompts = _prompts(vocab, (5, 40, 8, 21), seed=6)
+
+    def sampling(i: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, max_tokens=10, seed=100 + i)
+
+    together = LLMEngine.from_pretrained(
+        model_dir,
+        num_slots=3,
+        max_model_len=96,
+        eos_token_ids=(),
+        max_num_batched_tokens=16,
+        batch_invariant=True,
+    )
+    together.add_request("0", prompts[0], sampling(0))
+    together.step()
+    got = _run(together, {str(i): (p, sampling(i)) for i, p in enumerate(prompts) if i})
+    for i, p in enumerate(prompts):
+        alone_engine = LLMEngine.from_pretrained(
+            model_dir,
+            num_slots=1,
+            max_model_len=96,
+            eos_token_ids=(),
+            max_num_batched_tokens=16,
+            batch_invariant=True,
+        )
+        alone = _run(alone_engine, {"x": (p, sampling(i))})["x"]
+        assert got[str(i)].token_ids == alone.token_ids
+        assert got[str(i)].logprobs == alone.logprobs  # exact: same bits

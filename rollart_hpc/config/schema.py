@@ -239,6 +239,12 @@ class RolloutConfig:
     top_k: int = doc_field(0, "Top-k sampling (0 = off).")
     max_new_tokens: int = doc_field(32, "Longest generation of one agent turn.")
     num_threads: int = doc_field(1, "torch threads of a rollout rank.")
+    batch_invariant: bool = doc_field(
+        False,
+        "Built-in engine only: every request's forward pass runs alone, so its tokens and log-probs do not "
+        "depend on which requests share a step (CPU matmuls round by shape): a sync-mode run resumed from a "
+        "checkpoint continues bit for bit. Slower (no batching).",
+    )
     max_engine_rebuilds: int = doc_field(
         3,
         "Engine failures a rollout rank survives in a run: a failed engine (an exception from step, "
@@ -262,6 +268,8 @@ class RolloutConfig:
             )
         if self.num_slots < 1 or self.max_model_len < 16 or self.max_new_tokens < 1:
             raise UsageError(f"{path}: num_slots >= 1, max_model_len >= 16, max_new_tokens >= 1 required")
+        if self.batch_invariant and self.engine != "builtin":
+            raise UsageError(f"{path}.batch_invariant: only the built-in engine has it, not {self.engine!r}")
         if self.max_engine_rebuilds < 0:
             raise UsageError(f"{path}.max_engine_rebuilds: must be >= 0, got {self.max_engine_rebuilds}")
         if not 0.0 <= self.fault_step_prob < 1.0:

@@ -205,7 +205,8 @@ class ControllerCore:
         return any(version <= due for version in self._in_flight_by_version)
 
     def next_batch(self) -> Batch | None:
-        """The batch of step n = self.version: due results first, then by completion; None to wait."""
+        """The batch of step n = self.version: due results first, then by completion; None to wait. The
+        chosen results are in episode order."""
         if self.version >= self.num_steps or self.version in self.training or self._due_in_flight():
             return None
         if len(self.buffer) < self.batch_size:
@@ -218,6 +219,7 @@ class ControllerCore:
             return None
         if len(due) > self.batch_size:
             raise AssertionError(f"{len(due)} due trajectories exceed the batch of {self.batch_size}")
+        chosen.sort()  # in episode order, not arrival order: the step's sums do not depend on timing
         results = [self.buffer.pop(e) for e in chosen]
         self.training[self.version] = chosen
         for r in results:

@@ -18,6 +18,10 @@ Invariants:
   before its next token, so every token after the swap comes from the new version alone.
 - Every token carries the version of the snapshot that produced it, and its log-prob under the
   distribution it was sampled from.
+- With `batch_invariant`, a request's forward passes and samples are computed alone (one forward per
+  segment, prefill chunks of `max_num_batched_tokens` whatever else runs), so its tokens and log-probs
+  are a function of its own tokens, the weights and its generator: not of the other requests or the
+  timing (CPU matmuls round differently for different shapes).
 
 Per-request errors (empty prompt, prompt of max_model_len tokens or more, token id outside the
 vocabulary, stop strings without a tokenizer) do not raise: the next `step()` returns that request
@@ -79,6 +83,7 @@ class LLMEngine:
         recompute_on_swap: bool = True,
         max_num_batched_tokens: int = 2048,
         linear_backend: str = "auto",
+        batch_invariant: bool = False,
     ) -> None:
         if max_num_batched_tokens <= num_slots:
             raise ValueError(
@@ -91,6 +96,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.dtype = dtype
         self.recompute_on_swap = recompute_on_swap
+        self.batch_invariant = batch_invariant
         self.eos_token_ids = frozenset(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self._decoder = Decoder(config, max_model_len, dtype)
         self._cache = SlotKVCache(config, num_slots, max_model_len, dtype)
@@ -235,6 +241,8 @@ class LLMEngine:
         for row, req in enumerate(self._running):
             tokens = req.tokens()
             todo = len(tokens) - req.cached
+            if self.batch_invariant:  # the chunk must not depend on the other requests
+                budget = self.max_num_batched_tokens
             if todo <= 1 or budget <= 0:
                 continue
             n = min(todo, budget)
@@ -250,11 +258,23 @@ class LLMEngine:
         segments, token_ids, sampled = self._plan()
         if not segments:
             return []
-        logits = self._decoder.forward(self._weights, self._cache, torch.tensor(token_ids), segments)
+        if self.batch_invariant:
+            logits, offset = [], 0
+            for seg in segments:
+                ids = torch.tensor(token_ids[offset : offset + seg.length])
+                logits.append(self._decoder.forward(self._weights, self._cache, ids, [seg]))
+                offset += seg.length
+            rows = torch.cat(logits)
+        else:
+            rows = self._decoder.forward(self._weights, self._cache, torch.tensor(token_ids), segments)
         for seg in segments:
             self._running[seg.slot].cached = seg.start + seg.length
         reqs = [self._running[segments[i].slot] for i in sampled]
-        self._append_samples(reqs, logits[sampled])
+        if self.batch_invariant:
+            for i, req in zip(sampled, reqs, strict=True):
+                self._append_samples([req], rows[i : i + 1])
+        else:
+            self._append_samples(reqs, rows[sampled])
         return reqs
 
     def _append_samples(self, reqs: list[_Request], logits: torch.Tensor) -> None:

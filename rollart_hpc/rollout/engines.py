@@ -21,6 +21,7 @@ def build_builtin(rollout: RolloutConfig, model_dir: Path, version: int, seed: i
         max_model_len=rollout.max_model_len,
         version=version,
         seed=seed,
+        batch_invariant=rollout.batch_invariant,
     )
 
 
