@@ -91,5 +91,7 @@ def init_torch_groups(world: World, requested_backend: str) -> TorchGroups:
 
 
 def destroy_torch_groups() -> None:
+    """Leave every group. The store lives in the first member: it must leave after the others are done
+    with the groups (e.g. `World.barrier()` first)."""
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -45,18 +45,22 @@ def tensor_broadcast(world: World, config: Config) -> float | None:
     from rollart_hpc.cluster.torchdist import destroy_torch_groups, init_torch_groups
 
     groups = init_torch_groups(world, config.cluster.torch_backend)
+    checksum = None
     try:
-        if world.role not in ("trainer", "rollout"):
-            return None
-        src = world.plan.ranks_of("trainer")[0]
-        expected = torch.arange(config.smoke.tensor_numel, dtype=torch.float32) * (config.run.seed + 1)
-        tensor = expected.clone() if world.rank == src else torch.zeros_like(expected)
-        groups.broadcast(tensor, src, groups.weights, groups.weights_ranks)
-        if not torch.equal(tensor, expected):
-            raise RuntimeError(f"{world.me}: broadcast tensor differs from the trainer's")
-        return float(tensor.sum())
-    finally:
+        if world.role in ("trainer", "rollout"):
+            src = world.plan.ranks_of("trainer")[0]
+            expected = torch.arange(config.smoke.tensor_numel, dtype=torch.float32) * (config.run.seed + 1)
+            tensor = expected.clone() if world.rank == src else torch.zeros_like(expected)
+            groups.broadcast(tensor, src, groups.weights, groups.weights_ranks)
+            if not torch.equal(tensor, expected):
+                raise RuntimeError(f"{world.me}: broadcast tensor differs from the trainer's")
+            checksum = float(tensor.sum())
+    except BaseException:
         destroy_torch_groups()
+        raise
+    world.barrier()  # rank 0 serves the groups' store: it must not leave while a peer still uses it
+    destroy_torch_groups()
+    return checksum
 
 
 def main(config: Config, world: World, run_dir: Path) -> None:

@@ -44,6 +44,7 @@ def main() -> None:
             t = torch.tensor([float(world.rank)])
             groups.all_reduce(t, groups.by_role["env"], env_ranks)
             result["env_sum"] = float(t.item())
+        world.barrier()  # rank 0 serves the store: it leaves last
         destroy_torch_groups()
     elif mode == "silent":
         silent = world.plan.ranks_of("env")[0]
