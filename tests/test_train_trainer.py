@@ -193,7 +193,15 @@ def test_rl_step_reports_the_algorithm_library_loss_and_diagnostics(model_dir: P
     assert float(ref.is_capped_fraction) > 0 and float(ref.is_weight) > 0
     for name, value in ref.summed().items():
         assert metrics[name] == pytest.approx(float(value), rel=1e-5, abs=1e-7), name
-    assert set(metrics) == {*ref.summed(), "loss", "grad_norm", "num_tokens", "num_action_tokens", "step", "num_updates"}
+    assert set(metrics) == {
+        *ref.summed(),
+        "loss",
+        "grad_norm",
+        "num_tokens",
+        "num_action_tokens",
+        "step",
+        "num_updates",
+    }
 
 
 def _params(trainer: Trainer) -> list[torch.Tensor]:
