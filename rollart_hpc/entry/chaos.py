@@ -2,15 +2,26 @@
 automatic recovery of local runs.
 
 Each trial runs the config (`launch.py run ... --max-restarts M`, in `WORK_DIR/trial-<i>/`) and injects
-one fault into one rank, both drawn from the seed (each round of three trials has every kind once): `kill` (SIGKILL, any role including the controller),
-`stop` (SIGSTOP for longer than `cluster.peer_timeout_s`: the peers' liveness check ends the world; a rank
-still stopped after the timeout and a margin is SIGKILLed, as a node watchdog would) or `checkpoint` (a
-file of the newest complete checkpoint truncated or deleted, then the rank SIGKILLed: the restart must
-discard that checkpoint and fall back to an older one or to the start). The fault comes after a drawn
-number of optimizer steps plus a drawn fraction of a step. The trial then lets the restarts act and checks
-the finished run from `summary.json` and the HDF5 store: no trajectory lost (dispatched = trained +
-dropped + failed, and the store holds every trained one), none trained twice, the steps trained again
-after the restart and the seconds from the fault to the first new step after it.
+one fault into one rank, both drawn from the seed (each round of len(FAULTS) trials has every kind once):
+
+- `kill`: SIGKILL, any role including the controller;
+- `stop`: SIGSTOP for longer than `cluster.peer_timeout_s`: the peers' liveness check ends the world; a
+  rank still stopped after the timeout and a margin is SIGKILLed, as a node watchdog would;
+- `checkpoint`: a file of the newest complete checkpoint truncated or deleted, then the rank SIGKILLed:
+  the restart must discard that checkpoint and fall back to an older one or to the start;
+- `disk`: a disk that refuses writes, on a rank that writes run files (controller or trainer): its
+  RLIMIT_FSIZE drops to half the size of the largest file it writes (`limit_file_size`), so its next
+  write there fails (EFBIG; Python ignores SIGXFSZ); the restarted rank is a fresh process, unlimited;
+- `engine`: a rollout rank's engine dies and the rank rebuilds it in place (`rollout/resilient.py`), no
+  restart: the built-in engine (inside the rank) fails its next step on `ENGINE_FAULT_SIGNAL`; a vLLM
+  engine core (a child process of the rank) is SIGKILLed.
+
+The fault comes after a drawn number of optimizer steps plus a drawn fraction of a step. The trial then
+lets the restarts (or the rebuild) act and checks the finished run from `summary.json` and the HDF5
+store: no trajectory lost (dispatched = trained + dropped + failed, and the store holds every trained
+one), none trained twice, at least one restart (`engine`: none, and at least one engine rebuild of the
+target rank), the steps trained again after the restart and the seconds from the fault to the first new
+step after it (after the restart, where there is one).
 
 Dataflow: this process starts the launcher (its own session) and only reads the run directory (pid
 files, metrics.jsonl, restarts.jsonl, checkpoints) while it waits; it signals ranks by the pid each rank
@@ -23,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -33,7 +45,10 @@ from typing import Any
 
 from rollart_hpc.contracts.errors import UsageError
 
-FAULTS = ("kill", "stop", "checkpoint")
+FAULTS = ("kill", "stop", "checkpoint", "disk", "engine")
+# The roles a fault may hit (every role where absent): `disk` hits ranks that write run files, `engine`
+# the ranks that run an engine.
+TARGET_ROLES = {"disk": ("controller", "trainer"), "engine": ("rollout",)}
 # Applied before the user's overrides (which win): a checkpoint every step, two kept (so a damaged newest
 # one has an older one to fall back to), steps enough for a fault mid-run, a peer timeout short enough
 # for a `stop` trial to end in reasonable time.
@@ -64,6 +79,7 @@ class Setup:
     config: Path
     overrides: tuple[str, ...]
     roles: dict[int, str]  # rank -> role
+    engine: str  # rollout.engine: "builtin" runs inside the rank, "vllm" in a child process
     num_steps: int
     peer_timeout_s: float
     max_restarts: int
@@ -85,12 +101,8 @@ def main(args: argparse.Namespace) -> int:
     if work.exists() and any(work.iterdir()):
         raise UsageError(f"work dir {work} is not empty; choose a new --work-dir")
     work.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(args.seed)
     rows = []
-    kinds: list[str] = []
-    for index in range(args.trials):
-        kinds = kinds or rng.sample(FAULTS, len(FAULTS))  # every kind once per round of len(FAULTS)
-        plan = plan_fault(rng, setup, kinds.pop())
+    for index, plan in enumerate(plan_trials(random.Random(args.seed), setup, args.trials)):
         print(
             f"trial {index}: {plan.fault} rank {plan.rank} ({plan.role}) after {plan.after_steps} steps",
             flush=True,
@@ -111,21 +123,34 @@ def make_setup(args: argparse.Namespace) -> Setup:
     overrides = (*CHAOS_DEFAULTS, *args.overrides)
     config = load_config(args.config, overrides)
     c = config.controller
-    if config.run.job != "rl" or c.keep_checkpoints < 2 or c.checkpoint_every_steps < 1 or c.num_steps < 3:
+    checkpoints_ok = c.keep_checkpoints >= 2 and c.checkpoint_every_steps >= 1 and c.num_steps >= 3
+    if config.run.job != "rl" or not checkpoints_ok or config.rollout.max_engine_rebuilds < 1:
         raise UsageError(
             "chaos needs an RL run with controller.keep_checkpoints >= 2, "
-            "controller.checkpoint_every_steps >= 1 and controller.num_steps >= 3"
+            "controller.checkpoint_every_steps >= 1, controller.num_steps >= 3 "
+            "and rollout.max_engine_rebuilds >= 1"
         )
     plan = make_plan(config.roles)
     roles = {rank: plan.role_of(rank).role for rank in range(plan.world_size)}
     return Setup(
-        Path(args.config).resolve(), overrides, roles, c.num_steps, config.cluster.peer_timeout_s,
-        args.max_restarts, args.trial_timeout_s,
+        Path(args.config).resolve(), overrides, roles, config.rollout.engine, c.num_steps,
+        config.cluster.peer_timeout_s, args.max_restarts, args.trial_timeout_s,
     )  # fmt: skip
 
 
+def plan_trials(rng: random.Random, setup: Setup, trials: int) -> list[FaultPlan]:
+    """One fault per trial; every kind once per round of len(FAULTS) trials, in a drawn order."""
+    plans: list[FaultPlan] = []
+    kinds: list[str] = []
+    for _ in range(trials):
+        kinds = kinds or rng.sample(FAULTS, len(FAULTS))
+        plans.append(plan_fault(rng, setup, kinds.pop()))
+    return plans
+
+
 def plan_fault(rng: random.Random, setup: Setup, fault: str) -> FaultPlan:
-    rank = rng.choice(sorted(setup.roles))
+    roles = TARGET_ROLES.get(fault)
+    rank = rng.choice(sorted(r for r, role in setup.roles.items() if roles is None or role in roles))
     after = rng.randint(1, setup.num_steps - 2)
     return FaultPlan(fault, rank, setup.roles[rank], after, round(rng.random(), 3))
 
@@ -133,19 +158,34 @@ def plan_fault(rng: random.Random, setup: Setup, fault: str) -> FaultPlan:
 # ---------------------------------------------------------------- reading the run directory while it runs
 
 
-def metric_versions(run_dir: Path) -> list[int]:
-    """Versions of the rows of metrics.jsonl (a half-written last line is skipped)."""
-    versions = []
+def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of metrics.jsonl with a version (a half-written last line is skipped)."""
+    rows = []
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except FileNotFoundError:
         return []
     for line in lines:
         try:
-            versions.append(int(json.loads(line)["version"]))
-        except (ValueError, KeyError):
+            row = json.loads(line)
+            int(row["version"])
+        except (ValueError, KeyError, TypeError):
             continue
-    return versions
+        rows.append(row)
+    return rows
+
+
+def metric_versions(run_dir: Path) -> list[int]:
+    return [int(row["version"]) for row in metric_rows(run_dir)]
+
+
+def last_step_s(rows: list[dict[str, Any]]) -> float:
+    """The last step's duration from the rows' run clock (`wall_s`), within [POLL_S, 10] s; 1 s unknown."""
+    try:
+        seconds = float(rows[-1]["wall_s"]) - (float(rows[-2]["wall_s"]) if len(rows) >= 2 else 0.0)
+    except (IndexError, KeyError, TypeError, ValueError):
+        seconds = 1.0
+    return min(max(seconds, POLL_S), 10.0)
 
 
 def metrics_inode(run_dir: Path) -> int | None:
@@ -168,6 +208,17 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of a process (none when it is gone)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return sorted(set(found))
 
 
 def restart_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -199,49 +250,56 @@ def run_trial(run_dir: Path, plan: FaultPlan, setup: Setup, rng: random.Random) 
     with (run_dir.parent / f"{run_dir.name}.log").open("w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
-            injection = wait_and_inject(proc, run_dir, plan, started, rng)
+            injection = wait_and_inject(proc, run_dir, plan, setup.engine, started, rng)
             if injection is not None and plan.fault == "stop":
                 end_stopped(injection, setup.peer_timeout_s)
-            recovery = follow_recovery(proc, run_dir, injection, started + setup.timeout_s)
+            follow = follow_rebuild if plan.fault == "engine" else follow_recovery
+            recovery = follow(proc, run_dir, injection, started + setup.timeout_s)
             proc.wait(timeout=max(1.0, started + setup.timeout_s - time.monotonic()))
         except subprocess.TimeoutExpired:
             recovery = {}
         finally:
             stop_launcher(proc)
-    row = assess(run_dir, proc.returncode, injection, recovery)
+    row = assess(run_dir, plan, proc.returncode, injection, recovery)
     return {**asdict(plan), **row, "wall_s": round(time.monotonic() - started, 1)}
 
 
 def wait_and_inject(
-    proc: subprocess.Popen[bytes], run_dir: Path, plan: FaultPlan, started: float, rng: random.Random
-) -> Injection | None:
-    """Wait for `after_steps` steps (and, for a checkpoint fault, a complete checkpoint), then a fraction
-    of the last step's duration; inject. None when the run ended first."""
+    proc: subprocess.Popen[bytes], run_dir: Path, plan: FaultPlan, engine: str, started: float,
+    rng: random.Random,
+) -> Injection | None:  # fmt: skip
+    """Wait for `after_steps` steps (and, for a checkpoint or disk fault, a complete checkpoint), then a
+    fraction of the last step's duration (or until the next step ends); inject. None when the run ended
+    first."""
     from rollart_hpc.controller.checkpoint import latest
 
-    seen: dict[int, float] = {}  # count of rows -> when first seen
+    needs_checkpoint = plan.fault in ("checkpoint", "disk")
     while proc.poll() is None:
-        count = len(metric_versions(run_dir))
-        seen.setdefault(count, time.monotonic())
-        ready = count >= plan.after_steps and (plan.fault != "checkpoint" or latest(run_dir) is not None)
-        if ready:
-            # The last step's duration where two rows were seen appear, else a guess; at most 10 s.
-            last_step_s = seen[count] - seen[count - 1] if count >= 2 and count - 1 in seen else 2.0
-            time.sleep(plan.step_fraction * min(max(last_step_s, POLL_S), 10.0))
+        rows = metric_rows(run_dir)
+        if len(rows) >= plan.after_steps and (not needs_checkpoint or latest(run_dir) is not None):
+            # A fraction of the last step's duration, cut short when the next step ends first (steps
+            # vary: the first ones load and checkpoint, later ones may take a fraction of that).
+            until = time.monotonic() + plan.step_fraction * last_step_s(rows)
+            while time.monotonic() < until and len(metric_rows(run_dir)) == len(rows):
+                time.sleep(POLL_S / 2)
             pid = rank_pid(run_dir, plan.rank)
             if pid is not None and proc.poll() is None and (run_dir / "summary.json").exists() is False:
-                detail = inject(plan.fault, pid, run_dir, rng)
+                detail = inject(plan, pid, run_dir, engine, rng)
                 return Injection(round(time.monotonic() - started, 2), time.monotonic(), pid, detail)
         time.sleep(POLL_S)
     return None
 
 
-def inject(fault: str, pid: int, run_dir: Path, rng: random.Random) -> str:
-    if fault == "stop":
+def inject(plan: FaultPlan, pid: int, run_dir: Path, engine: str, rng: random.Random) -> str:
+    if plan.fault == "stop":
         os.kill(pid, signal.SIGSTOP)
         return "SIGSTOP"
+    if plan.fault == "disk":
+        return limit_file_size(pid, plan.role, run_dir)
+    if plan.fault == "engine":
+        return fail_engine(pid, engine)
     detail = "SIGKILL"
-    if fault == "checkpoint":
+    if plan.fault == "checkpoint":
         detail = damage_checkpoint(run_dir, rng) + "; SIGKILL"
     os.kill(pid, signal.SIGKILL)
     return detail
@@ -263,6 +321,44 @@ def damage_checkpoint(run_dir: Path, rng: random.Random) -> str:
         return f"truncated {name} {size}->{size // 2} bytes"
     target.unlink()
     return f"deleted {name}"
+
+
+def limit_file_size(pid: int, role: str, run_dir: Path) -> str:
+    """RLIMIT_FSIZE of the rank and its children down to half the size of the largest file it writes:
+    the store (controller; its chunks are allocated at once, so later appends write inside the file
+    rather than at its end) or its part of the newest checkpoint (trainer; its writer processes are forked
+    per save and inherit the limit)."""
+    from rollart_hpc.controller.checkpoint import latest
+
+    if role == "controller":
+        target = run_dir / "trajectories.h5"
+    else:
+        newest = latest(run_dir)
+        assert newest is not None
+        target = max(
+            (p for p in (newest / "trainer").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+        )
+    limit = target.stat().st_size // 2
+    for process in (pid, *children(pid)):
+        try:
+            resource.prlimit(process, resource.RLIMIT_FSIZE, (limit, limit))
+        except ProcessLookupError:
+            continue
+    return f"RLIMIT_FSIZE {limit} bytes (half of {target.relative_to(run_dir)})"
+
+
+def fail_engine(pid: int, engine: str) -> str:
+    """A vLLM engine's own process (a child of the rank) is SIGKILLed; a built-in engine, which runs
+    inside the rank, fails its next step on `ENGINE_FAULT_SIGNAL`."""
+    from rollart_hpc.rollout.resilient import ENGINE_FAULT_SIGNAL
+
+    engine_processes = children(pid) if engine == "vllm" else []
+    if engine_processes:
+        for child in engine_processes:
+            os.kill(child, signal.SIGKILL)
+        return f"SIGKILL engine process {', '.join(map(str, engine_processes))}"
+    os.kill(pid, ENGINE_FAULT_SIGNAL)
+    return f"SIGRTMIN+{ENGINE_FAULT_SIGNAL - signal.SIGRTMIN}: the engine's next step fails"
 
 
 def end_stopped(injection: Injection, peer_timeout_s: float) -> None:
@@ -304,6 +400,23 @@ def follow_recovery(
     return out
 
 
+def follow_rebuild(
+    proc: subprocess.Popen[bytes], run_dir: Path, injection: Injection | None, deadline: float
+) -> dict[str, Any]:
+    """An engine fault (no restart expected): the seconds from the fault to the first step trained after
+    it."""
+    if injection is None:
+        return {}
+    before = max(metric_versions(run_dir), default=0)
+    out: dict[str, Any] = {"steps_before": before}
+    while proc.poll() is None and time.monotonic() < deadline and not restart_rows(run_dir):
+        if any(v > before for v in metric_versions(run_dir)):
+            out["recovery_s"] = round(time.monotonic() - injection.at, 2)
+            break
+        time.sleep(POLL_S)
+    return out
+
+
 def stop_launcher(proc: subprocess.Popen[bytes]) -> None:
     """A launcher still running (trial timeout): SIGTERM (it ends its world), then SIGKILL."""
     if proc.poll() is not None:
@@ -320,13 +433,19 @@ def stop_launcher(proc: subprocess.Popen[bytes]) -> None:
 
 
 def assess(
-    run_dir: Path, code: int | None, injection: Injection | None, recovery: dict[str, Any]
+    run_dir: Path, plan: FaultPlan, code: int | None, injection: Injection | None, recovery: dict[str, Any]
 ) -> dict[str, Any]:
     lost, duplicated, counts = audit(run_dir)
     restarts = restart_rows(run_dir)
     finished = code == 0 and (run_dir / "summary.json").exists()
     resumed = recovery.get("resumed_from")
     redone = max(0, recovery["steps_before"] - resumed) if resumed is not None else None
+    rebuilds = rank_rebuilds(run_dir, plan)
+    if plan.fault == "engine":  # rebuilt in place: no restart, nothing trained again
+        recovered = not restarts and (rebuilds or 0) >= 1
+        redone = 0 if recovered else redone
+    else:
+        recovered = bool(restarts)
     return {
         "injected": injection is not None,
         "detail": injection.detail if injection else "run ended before the fault",
@@ -335,13 +454,24 @@ def assess(
         "finished": finished,
         "restarts": len(restarts),
         "resumed_from_step": resumed,
-        "survived": bool(finished and injection and restarts and lost == 0 and duplicated == 0),
+        "survived": bool(finished and injection and recovered and lost == 0 and duplicated == 0),
         "lost": lost,
         "duplicated": duplicated,
         "steps_redone": redone,
         "recovery_s": recovery.get("recovery_s"),
+        "rebuilds": rebuilds,
         "accounting": counts,
     }
+
+
+def rank_rebuilds(run_dir: Path, plan: FaultPlan) -> int | None:
+    """Engine (rollout) or worker pool (reward) rebuilds of the target rank in the finished run's
+    summary.json (the last world's); None for other roles or without a summary."""
+    try:
+        counts = json.loads((run_dir / "summary.json").read_text())["failures_and_rebuilds"]
+        return int(counts[f"{plan.role} rank {plan.rank}"]["rebuilds"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def audit(run_dir: Path) -> tuple[int | None, int | None, dict[str, int]]:
@@ -384,7 +514,8 @@ def table(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 COLUMNS = (
     ("trial", 5), ("fault", 10), ("rank", 4), ("role", 10), ("injected_at_s", 13), ("survived", 8),
-    ("lost", 4), ("duplicated", 10), ("steps_redone", 12), ("recovery_s", 10), ("restarts", 8), ("wall_s", 7),
+    ("lost", 4), ("duplicated", 10), ("steps_redone", 12), ("recovery_s", 10), ("restarts", 8),
+    ("rebuilds", 8), ("wall_s", 7),
 )  # fmt: skip
 
 

@@ -9,7 +9,9 @@ resumes inside that call), after which this rank reports
 LOADED(v) to the controller. Every wait is bounded: the mailbox's liveness check names a silent peer.
 The engine is a `ResilientEngine` (`rollart_hpc.rollout.resilient`): a failed engine is rebuilt in place
 from the newest weights (at most `rollout.max_engine_rebuilds` times), the requests it held are answered
-as errors, and the rank reports its engine failures and rebuilds in its STATS.
+as errors, and the rank reports its engine failures and rebuilds in its STATS. While rebuilds are
+allowed, `ENGINE_FAULT_SIGNAL` (SIGRTMIN+1) fails the engine's next step (fault injection, `launch.py
+chaos`); otherwise that signal keeps its default action and ends the rank.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from rollart_hpc.contracts.records import RankStats, Ready, WeightAnnouncement, 
 from rollart_hpc.metrics.timeline import Timeline
 from rollart_hpc.rollout.api import Engine
 from rollart_hpc.rollout.engines import build_engine
-from rollart_hpc.rollout.resilient import FaultInjector, ResilientEngine
+from rollart_hpc.rollout.resilient import FaultInjector, ResilientEngine, arm_fault_signal
 
 if TYPE_CHECKING:
     from rollart_hpc.weights.transport import WeightSource
@@ -140,10 +142,14 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
 def resilient_engine(
     rollout: RolloutConfig, model_dir: Path, version: int, seed: int, log: Callable[[str], None]
 ) -> ResilientEngine:
-    """The rank's engine, rebuilt from `model_dir` at `version` (then the newest weights) when it fails."""
+    """The rank's engine, rebuilt from `model_dir` at `version` (then the newest weights) when it fails.
+    Faults are injected at random steps (`rollout.fault_step_prob`) and, while rebuilds are allowed, on
+    `ENGINE_FAULT_SIGNAL`."""
     faults = None
-    if rollout.fault_step_prob > 0:
+    if rollout.fault_step_prob > 0 or rollout.max_engine_rebuilds > 0:
         faults = FaultInjector(rollout.fault_step_prob, rollout.num_faults, seed)
+    if faults is not None and rollout.max_engine_rebuilds > 0:
+        arm_fault_signal(faults)
 
     def build() -> Engine:
         return build_engine(rollout, model_dir, version, seed)

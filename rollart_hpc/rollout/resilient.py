@@ -20,11 +20,16 @@ Invariants: every added request yields exactly one finished output (the engine's
 after a failure); `version` never goes backwards across a rebuild; each failure (of the engine or of
 building its replacement) uses one of `max_rebuilds`; once they are spent the next failure raises
 `EngineFailedError` and the rank ends as before.
+
+Fault injection (tests and `launch.py chaos`): a `FaultInjector` fails `step()` at seeded random calls,
+or at the next step with requests after `ENGINE_FAULT_SIGNAL` arrived (`arm_fault_signal`; the handler
+only sets a flag, the loop thread raises).
 """
 
 from __future__ import annotations
 
 import random
+import signal
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -42,24 +47,43 @@ class EngineFailedError(RuntimeError):
     """The engine failed and no rebuild is left (or allowed)."""
 
 
+# Sent to a rollout rank to fail its engine's next step (`launch.py chaos`, fault `engine`); a real-time
+# signal, so it means nothing else to the rank (SIGUSR1/SIGUSR2/SIGTERM are stop requests).
+ENGINE_FAULT_SIGNAL = signal.SIGRTMIN + 1
+
+
 class InjectedEngineError(RuntimeError):
-    """A failure injected into `step()` by `FaultInjector` (tests only)."""
+    """A failure injected into `step()` by `FaultInjector` (fault injection only)."""
 
 
 class FaultInjector:
     """Raises `InjectedEngineError` with probability `prob` per call, at most `num_faults` times; the
-    draws come from `random.Random(seed)`, so a run's faults depend only on the seed and the call count."""
+    draws come from `random.Random(seed)`, so a run's faults depend only on the seed and the call count.
+    After `trip()` the next call raises as well (outside the `num_faults` budget)."""
 
     def __init__(self, prob: float, num_faults: int, seed: int) -> None:
         self.prob, self.remaining = prob, num_faults
         self.rng = random.Random(f"engine-faults:{seed}")
         self.calls = 0
+        self.tripped = False
+
+    def trip(self) -> None:
+        """Fail the next call; safe from a signal handler (it only sets a flag)."""
+        self.tripped = True
 
     def check(self) -> None:
         self.calls += 1
+        if self.tripped:
+            self.tripped = False
+            raise InjectedEngineError(f"engine failure requested by signal, at faulted step {self.calls}")
         if self.remaining > 0 and self.rng.random() < self.prob:
             self.remaining -= 1
             raise InjectedEngineError(f"injected engine failure at faulted step {self.calls}")
+
+
+def arm_fault_signal(faults: FaultInjector) -> None:
+    """`ENGINE_FAULT_SIGNAL` trips `faults` (main thread only, as for every signal handler)."""
+    signal.signal(ENGINE_FAULT_SIGNAL, lambda signum, frame: faults.trip())
 
 
 class ResilientEngine:

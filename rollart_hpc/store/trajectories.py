@@ -17,7 +17,8 @@ A row's final status is its last status event (code 1 trained at `version`, 2 dr
 Writer invariants (one writer per file; readers any number, in any process):
 - `append` and `mark` write the column data, flush, then write `/commit` and flush again: a reader, or a
   reopen after a crash, trusts only the committed counts, so a crash loses at most the append or mark
-  in progress and never an earlier one.
+  in progress and never an earlier one. Each column is flushed as it is written, so a failed write
+  raises before the commit (never silently, from h5py's clean-up of a dataset object).
 - The file is opened in SWMR mode (`libver=("v110", "v110")`, readable by HDF5 >= 1.10 tools): other
   processes read it live with `h5py.File(path, "r", swmr=True)` (see `read_store`). The writer holds an
   exclusive `flock` on `<path>.lock` for its lifetime (released by the OS even on SIGKILL).
@@ -120,8 +121,13 @@ def _create_schema(f: h5py.File) -> None:
 
 
 def _extend(dataset: h5py.Dataset, start: int, values: np.ndarray) -> None:
+    """Write `values` at `start` and flush the dataset's chunk cache now: a failed write (a full disk, a
+    file-size limit) raises here, before the commit; h5py would otherwise flush the cache when the
+    dataset object is freed, where an error is printed and ignored, and the commit would count data
+    that never reached the file."""
     dataset.resize((start + len(values),))
     dataset[start : start + len(values)] = values
+    dataset.id.flush()
 
 
 def _trajectory_rows(
@@ -200,7 +206,9 @@ class TrajectoryStore:
 
     def _commit(self, pos: StorePosition) -> None:
         self._file.flush()
-        self._file["commit"][:] = np.array([pos.rows, pos.tokens, pos.events], dtype="i8")
+        commit = self._file["commit"]
+        commit[:] = np.array([pos.rows, pos.tokens, pos.events], dtype="i8")
+        commit.id.flush()  # as in `_extend`: a failed write raises here
         self._file.flush()
 
     def append(self, trajectories: Sequence[Trajectory], finish_times: Sequence[float]) -> StorePosition:
