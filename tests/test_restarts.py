@@ -64,6 +64,9 @@ def test_silent_deaths_are_one_cause_whichever_rank_is_named(tmp_path, capsys):
     world = FakeWorld(tmp_path, [(0, other_rank), (0, DIED), (0, OK)])
     assert run_with_restarts(tmp_path, world.run, 5, world.check) == 1 and world.calls == 2
     assert "the same failure repeated at step 0" in capsys.readouterr().err
+    stack = [WorldOutcome(1, f"rank 0 (controller) failed: File too large\n  at {t}", False) for t in (1, 2)]
+    world = FakeWorld(tmp_path / "stack", [(0, stack[0]), (0, stack[1]), (0, OK)])
+    assert run_with_restarts(tmp_path / "stack", world.run, 5, world.check) == 1 and world.calls == 2
     reported = [WorldOutcome(1, f"rank 2 (env) failed: {m}", False) for m in ("disk full", "bad game")]
     world = FakeWorld(tmp_path / "reported", [(0, reported[0]), (0, reported[1]), (0, OK)])
     assert run_with_restarts(tmp_path / "reported", world.run, 5, world.check) == 0 and world.calls == 3

@@ -107,9 +107,10 @@ SILENT_DEATH = "died without reporting an error"
 
 
 def failure_kind(cause: str) -> str:
-    """What makes two failures 'the same': a reported error with its rank and message; for a death
+    """What makes two failures 'the same': a reported error with its rank and the first line of its
+    message (later lines may carry timestamps and addresses, e.g. HDF5's error stack); for a death
     without a word only that (which rank of a world torn down at once is named first is timing)."""
-    return SILENT_DEATH if cause.endswith(SILENT_DEATH) else cause
+    return SILENT_DEATH if cause.endswith(SILENT_DEATH) else cause.strip().split("\n", 1)[0]
 
 
 def run_with_restarts(
