@@ -3,7 +3,9 @@
 Starts its own MPI world (1 publisher + R receivers, `rollart_hpc.bench.weights_worker`) and measures,
 per model size, the end-to-end weight publish (bucket assembly, wire, swap into a receiver-side dict of
 parameters) against a raw broadcast of one flat buffer of the same bytes on the same group in the same
-run. Reports `ours_gb_s`, `raw_gb_s`, `ratio_vs_raw` and the receiver's pause (time to swap).
+run. Per size it reports `ours_gb_s`, `raw_gb_s`, `ratio_vs_raw`, the receiver's pause (from the last
+bucket landing to the new version in place) and the time the trainer is blocked in `publish`; the top
+level repeats these per size (keyed by MB) with the worst ratio from 100 MB up (`headline`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from rollart_hpc.contracts.errors import UsageError
+
+MIN_HEADLINE_BYTES = 100_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per size (median reported)")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="weight group backend")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="peer timeout inside the world")
+    parser.add_argument(
+        "--deferred-pack",
+        action="store_true",
+        help="publish with snapshot=False: return at once, pack in the background (tensors held until packed)",
+    )
+    parser.add_argument(
+        "--compare-copy-after",
+        action="store_true",
+        help="also time, in the same repetitions, receivers that copy every bucket only after the transfer",
+    )
 
 
 def parse_sizes(text: str) -> list[float]:
@@ -51,6 +66,8 @@ def worker_config(args: argparse.Namespace) -> dict[str, object]:
         "repeats": args.repeats,
         "backend": args.backend,
         "timeout_s": args.timeout_s,
+        "snapshot": not args.deferred_pack,
+        "compare_copy_after": args.compare_copy_after,
     }
 
 
@@ -72,17 +89,40 @@ def main(args: argparse.Namespace) -> int:
             return 1
         result = json.loads(out_path.read_text())
     result["receivers"] = args.receivers
+    result.update(headline(result["sizes"]))
     atomic_write_json(Path(args.json), result)
     print_table(result)
     return 0
 
 
+def _size_key(nbytes: int) -> str:
+    return f"{nbytes / 1e6:g}"
+
+
+def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Top-level figures: per size (key: MB) the ratio to the raw broadcast, the trainer's blocked time
+    and its fraction of the transfer, the receiver's pause; the worst ratio over sizes of 100 MB and up
+    (None when no size is that large) and the worst blocked fraction."""
+    large = [row["ratio_vs_raw"] for row in rows if row["bytes"] >= MIN_HEADLINE_BYTES]
+    return {
+        "ratio_vs_raw": {_size_key(r["bytes"]): r["ratio_vs_raw"] for r in rows},
+        "min_ratio_vs_raw_from_100mb": min(large) if large else None,
+        "trainer_blocked_s": {_size_key(r["bytes"]): r["trainer_blocked_s"] for r in rows},
+        "trainer_blocked_fraction": {_size_key(r["bytes"]): r["trainer_blocked_fraction"] for r in rows},
+        "max_trainer_blocked_fraction": max(r["trainer_blocked_fraction"] for r in rows),
+        "receiver_pause_s": {_size_key(r["bytes"]): r["receiver_pause_s"] for r in rows},
+    }
+
+
 def print_table(result: dict[str, object]) -> None:
-    print(f"{'size MB':>9} {'ours GB/s':>10} {'raw GB/s':>9} {'ratio':>6} {'pause s':>8} {'publish s':>10}")
+    print(
+        f"{'size MB':>9} {'ours GB/s':>10} {'raw GB/s':>9} {'ratio':>6} {'pause s':>8} {'blocked s':>10} {'blocked':>8}"
+    )
     rows = result["sizes"]
     assert isinstance(rows, list)
     for row in rows:
         print(
             f"{row['bytes'] / 1e6:>9.1f} {row['ours_gb_s']:>10.3f} {row['raw_gb_s']:>9.3f} "
-            f"{row['ratio_vs_raw']:>6.2f} {row['receiver_pause_s']:>8.4f} {row['publish_return_s']:>10.4f}"
+            f"{row['ratio_vs_raw']:>6.2f} {row['receiver_pause_s']:>8.4f} {row['trainer_blocked_s']:>10.4f} "
+            f"{row['trainer_blocked_fraction']:>8.1%}"
         )

@@ -2,8 +2,11 @@
 
 Rank 0 publishes, ranks 1..R receive, all in one standalone group. Per size and repetition, after an
 MPI barrier, rank 0 notes the wall clock and runs one of two transfers of the same bytes:
-- ours: `WeightPublisher.publish` + `wait`; receivers `receive()` then copy every view into their own
-  parameter dict (the swap; its duration is the receiver's pause);
+- ours: `WeightPublisher.publish` + `wait`; each receiver's `receive(on_bucket)` copies every bucket,
+  as soon as it lands, into a staged parameter dict while the next buckets are on the wire, then swaps
+  the staged dict with the active one (no forward would mix versions). The receiver's pause is the time
+  from the last bucket landing to the swap done; the trainer is blocked for the time `publish` takes;
+  `tensors_held_s` is when `wait_packed` returns (the trainer may change its tensors);
 - raw: one broadcast of a flat uint8 buffer of the layout's total size.
 Each receiver reports the wall clock at which it holds the data; the transfer time is the latest of
 those minus rank 0's start (all ranks share one node clock in a local world). Usage:
@@ -65,23 +68,43 @@ def check(named: dict[str, torch.Tensor], version: int) -> None:
 
 
 def time_ours(
-    world: World, group: StandaloneGroup, side: Any, named: dict[str, torch.Tensor], version: int
-) -> dict[str, float]:
+    world: World, side: Any, models: list[dict[str, torch.Tensor]], version: int, config: dict[str, Any],
+    overlap: bool = True,
+) -> dict[str, float]:  # fmt: skip
+    """One publish; receivers stage each bucket as it lands (`overlap`) or all views after the transfer."""
     world.barrier()
     if world.rank == 0:
-        fill(named, version)
-        start = time.time()
-        side.publish(version, named)
-        published = time.time()
-        side.wait()
-        return {"start": start, "publish_return_s": published - start}
-    got, views = side.receive()
-    received = time.time()
-    for name, view in views:
-        named[name].copy_(view)
+        return _publish_once(side, models[0], version, config["snapshot"])
+    landed: list[float] = []
+    copy_s = [0.0]
+    staged = models[1]
+
+    def stage(views: list[tuple[str, torch.Tensor]]) -> None:
+        landed.append(time.time())
+        for name, view in views:
+            staged[name].copy_(view)
+        copy_s[0] += time.time() - landed[-1]
+
+    got, views = side.receive(stage if overlap else None)
+    if not overlap:
+        stage(views)
+    models.reverse()  # the swap: the staged copy becomes the active one
     done = time.time()
-    check(named, got)
-    return {"done": done, "pause_s": done - received}
+    check(models[0], got)
+    return {"done": done, "pause_s": done - landed[-1], "copy_s": copy_s[0]}
+
+
+def _publish_once(
+    side: Any, named: dict[str, torch.Tensor], version: int, snapshot: bool
+) -> dict[str, float]:
+    fill(named, version)
+    start = time.time()
+    side.publish(version, named, snapshot=snapshot)
+    published = time.time()
+    side.wait_packed()
+    packed = time.time()
+    side.wait()
+    return {"start": start, "publish_return_s": published - start, "packed_s": packed - start}
 
 
 def time_raw(world: World, group: StandaloneGroup, flat: torch.Tensor) -> dict[str, float]:
@@ -101,21 +124,35 @@ def bench_size(
     else:
         side = WeightReceiver(group, 0)
     flat = torch.zeros(side.layout.total_nbytes, dtype=torch.uint8, device=device)
-    ours, raw = [], []
+    models = [named] if world.rank == 0 else [named, {n: torch.empty_like(t) for n, t in named.items()}]
+    ours: list[Any] = []
+    raw: list[Any] = []
+    after: list[Any] = []
     for rep in range(config["repeats"] + 1):  # the first repetition warms the connections up
-        ours.append(world.gather_to_root(time_ours(world, group, side, named, rep + 1)))
+        ours.append(world.gather_to_root(time_ours(world, side, models, 2 * rep + 1, config)))
         raw.append(world.gather_to_root(time_raw(world, group, flat)))
+        if config.get("compare_copy_after"):
+            after.append(world.gather_to_root(time_ours(world, side, models, 2 * rep + 2, config, False)))
     if world.rank != 0:
         return None
-    return summarise(nbytes, side.layout, ours[1:], raw[1:])
+    row = summarise(nbytes, side.layout, ours[1:], raw[1:])
+    if after:
+        after_s = statistics.median(_span(rep) for rep in after[1:])
+        pause_s = statistics.median(max(r["pause_s"] for r in rep[1:]) for rep in after[1:])
+        row.update(copy_after_s=after_s, ratio_vs_raw_copy_after=row["raw_s"] / after_s,
+                   receiver_pause_copy_after_s=pause_s)  # fmt: skip
+    return row
+
+
+def _span(rep: list[dict[str, float]]) -> float:
+    """From the publisher's start to the last receiver holding the data."""
+    return max(r["done"] for r in rep[1:]) - rep[0]["start"]
 
 
 def summarise(nbytes: int, layout: Any, ours: list[Any], raw: list[Any]) -> dict[str, Any]:
-    def span(rep: list[dict[str, float]]) -> float:
-        return max(r["done"] for r in rep[1:]) - rep[0]["start"]
-
-    ours_s = statistics.median(span(rep) for rep in ours)
-    raw_s = statistics.median(span(rep) for rep in raw)
+    ours_s = statistics.median(_span(rep) for rep in ours)
+    raw_s = statistics.median(_span(rep) for rep in raw)
+    blocked_s = statistics.median(rep[0]["publish_return_s"] for rep in ours)
     return {
         "bytes": nbytes,
         "num_tensors": len(layout.slots),
@@ -126,7 +163,11 @@ def summarise(nbytes: int, layout: Any, ours: list[Any], raw: list[Any]) -> dict
         "raw_gb_s": nbytes / raw_s / 1e9,
         "ratio_vs_raw": raw_s / ours_s,
         "receiver_pause_s": statistics.median(max(r["pause_s"] for r in rep[1:]) for rep in ours),
-        "publish_return_s": statistics.median(rep[0]["publish_return_s"] for rep in ours),
+        "receiver_copy_s": statistics.median(max(r["copy_s"] for r in rep[1:]) for rep in ours),
+        "publish_return_s": blocked_s,
+        "trainer_blocked_s": blocked_s,
+        "trainer_blocked_fraction": blocked_s / ours_s,
+        "tensors_held_s": statistics.median(rep[0]["packed_s"] for rep in ours),
     }
 
 
@@ -140,7 +181,7 @@ def main() -> None:
     group.close()
     if world.rank == 0:
         result = {"bucket_bytes": config["bucket_bytes"], "backend": config["backend"], "sizes": rows,
-                  "repeats": config["repeats"], "torch": torch.__version__, "threads": torch.get_num_threads()}  # fmt: skip
+                  "repeats": config["repeats"], "snapshot": config["snapshot"], "torch": torch.__version__, "threads": torch.get_num_threads()}  # fmt: skip
         Path(sys.argv[2]).write_text(json.dumps(result, indent=1))
 
 

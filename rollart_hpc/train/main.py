@@ -134,7 +134,9 @@ def rl_loop(config: Config, ctx: RunContext, trainer: Trainer, sender: WeightSen
         span_start = time.time()
         report = trainer.rl_step(shard_to_batch(shard), shard.num_global_action_tokens, cfg)
         if sender is not None:
-            sender.publish(shard.step + 1, trainer.hf_state_dict())  # announced, then in the background
+            # Announced, then packed and sent in the background: hf_state_dict() returns fresh copies that
+            # nothing changes, so the sender does not copy them again while the trainer waits.
+            sender.publish(shard.step + 1, trainer.hf_state_dict(), snapshot=False)
             step_report = StepReport(shard.step, time.perf_counter() - start, report)
             mailbox.send(step_report, 0, Tag.TRAINED)
         busy_s += time.perf_counter() - start

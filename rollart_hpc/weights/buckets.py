@@ -163,6 +163,16 @@ def unpack(layout: BucketLayout, buckets: Sequence[torch.Tensor]) -> list[tuple[
     return [(slot.name, slot_view(slot, buckets)) for slot in layout.slots]
 
 
+def bucket_views(
+    layout: BucketLayout, buckets: Sequence[torch.Tensor]
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Per bucket, the named typed views of its tensors, in layout order (no copy)."""
+    per_bucket: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(layout.num_buckets)]
+    for slot in layout.slots:
+        per_bucket[slot.bucket].append((slot.name, slot_view(slot, buckets)))
+    return per_bucket
+
+
 def bucket_checksum(bucket: torch.Tensor) -> int:
     """CRC32 of the bytes of a CPU bucket; on GPU a position-weighted sum of its 64-bit words."""
     if bucket.device.type == "cpu":

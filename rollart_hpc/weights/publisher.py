@@ -3,19 +3,33 @@
 Dataflow of one version (round r, counted from 1 on every member):
 1. publisher: `publish(version, named)` waits for round r-1 to finish (one version in flight), marks its
    arrival, issues the header broadcast (magic, version, number of buckets, layout fingerprint,
-   checksum flag), then packs bucket by bucket into its own buffers, issuing each bucket's broadcast as
-   soon as it is packed (assembly overlaps the wire). It returns once every bucket is packed: that is
-   the snapshot, so the caller may change its tensors at once (on GPU the copies are queued on the
-   current stream, which the NCCL broadcasts wait for). A background thread waits for the broadcasts
-   with the group timeout, then (when enabled) computes per-bucket checksums and broadcasts them.
-2. receiver: `receive()` marks its arrival, takes part in the header broadcast, checks the header
-   against its layout, then in every bucket broadcast; it returns (version, named views into its own
-   buffers). The views stay valid until the next `receive()`; the caller copies them into its engine
-   (`engine.update_weights(named, version)`) before calling `receive()` again, so a version is never
-   mixed with the next one.
+   checksum flag), then packs bucket by bucket into its send buffers (allocated once, reused by every
+   version), issuing each bucket's broadcast as soon as it is packed (assembly overlaps the wire). It
+   returns once every bucket is packed: that is the snapshot, so the caller may change its tensors at
+   once (on GPU the copies are queued on the current stream, which the NCCL broadcasts wait for). A
+   background thread waits for the broadcasts with the group timeout, then (when enabled) computes
+   per-bucket checksums and broadcasts them. With `snapshot=False` the packing moves into that thread
+   too and `publish` returns after the header: the caller then must not change its tensors until
+   `wait_packed()` returns (e.g. it runs its next forward and backward meanwhile and waits before the
+   optimizer step).
+2. receiver: `receive(on_bucket)` marks its arrival, takes part in the header broadcast, checks the
+   header against its layout, then issues every bucket broadcast at once into its receive buffers
+   (allocated once, reused by every version) and waits for them in order; as soon as bucket i has
+   landed it calls `on_bucket` with that bucket's named views while buckets i+1.. are still on the wire,
+   so the consumer's copy out of the buckets overlaps the transfer. It returns (version, named views
+   of all buckets). The views stay valid until the next `receive()`; the caller copies them into its
+   engine (`engine.update_weights(named, version)`, or bucket by bucket into a staging copy from
+   `on_bucket`) before calling `receive()` again, so a version is never mixed with the next one. With
+   checksums enabled the buckets are verified only after the last one landed: what `on_bucket` saw is
+   valid only once `receive()` returns without raising.
+
+Who waits on whom: every wait on a broadcast is bounded by the group timeout and names the peers on
+timeout (`StandaloneGroup.wait`); `wait_packed` waits only for local copies. If `on_bucket` raises, the
+receiver still takes part (bounded) in the remaining broadcasts of the version (buckets, checksums), then
+re-raises, so no broadcast of that version is left writing into its buffers and the stream stays aligned.
 
 Errors: a publisher-side failure (timeout naming the silent receiver, checksum broadcast) is kept by the
-background thread and raised by the next `publish()` or `wait()`. After any error the group is broken.
+background thread and raised by the next `publish()`, `wait()` or `wait_packed()`. After any error the group is broken.
 
 The notification ("version n is coming") is not part of these classes: `rollart_hpc.weights.transport`
 wraps them with it (`GroupWeightSender` announces each version before its broadcast). Publisher and
@@ -26,7 +40,7 @@ the layout).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -35,14 +49,15 @@ from rollart_hpc.weights.buckets import (
     BucketLayout,
     allocate_buckets,
     bucket_checksum,
+    bucket_views,
     check_matches,
     pack_bucket,
-    unpack,
 )
 from rollart_hpc.weights.group import StandaloneGroup
 
 MAGIC = 0x5EED_B0C7
 HEADER_LEN = 5
+BucketConsumer = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 
 class WeightSyncError(RuntimeError):
@@ -77,11 +92,21 @@ class WeightPublisher:
         self.round = 0
         self._thread: threading.Thread | None = None
         self._error: Exception | None = None
+        self._packed = threading.Event()
+        self._packed.set()
 
     def publish(
-        self, version: int, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+        self,
+        version: int,
+        named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        snapshot: bool = True,
     ) -> None:
-        """Snapshot `named` into the buckets and start the broadcast; returns before it completes."""
+        """Start broadcasting `named` as `version`; returns before delivery (see the module docstring).
+
+        `snapshot=True`: returns once `named` is packed into the send buckets (the caller may change its
+        tensors at once). `snapshot=False`: returns at once and packs in the background thread; the
+        caller leaves its tensors unchanged until `wait_packed()` (or `wait()`) returns."""
         self.wait()
         tensors = dict(named.items() if isinstance(named, Mapping) else named)
         check_matches(self.layout, tensors)
@@ -93,17 +118,43 @@ class WeightPublisher:
             device=self.device,
         )
         works = [(self.group.start_broadcast(header, self.group.member), f"weights v{version} header")]
+        self._packed.clear()
+        if snapshot:
+            try:
+                works += self._pack_and_issue(version, tensors)
+            finally:
+                self._packed.set()
+        pending = None if snapshot else tensors
+        self._thread = threading.Thread(
+            target=self._finish,
+            args=(version, pending, works, header),
+            name=f"weights-v{version}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _pack_and_issue(self, version: int, tensors: Mapping[str, torch.Tensor]) -> list[tuple[Any, str]]:
+        """Pack bucket by bucket into the send buffers, issuing each broadcast as soon as it is packed."""
+        works = []
         for index in range(self.layout.num_buckets):
             pack_bucket(self.layout, index, tensors, self.buckets)
             work = self.group.start_broadcast(self.buckets[index], self.group.member)
             works.append((work, f"weights v{version} bucket {index}/{self.layout.num_buckets}"))
-        self._thread = threading.Thread(
-            target=self._finish, args=(version, works, header), name=f"weights-v{version}", daemon=True
-        )
-        self._thread.start()
+        return works
 
-    def _finish(self, version: int, works: list[tuple[Any, str]], header: torch.Tensor) -> None:
+    def _finish(
+        self,
+        version: int,
+        pending: Mapping[str, torch.Tensor] | None,
+        works: list[tuple[Any, str]],
+        header: torch.Tensor,
+    ) -> None:
         try:
+            if pending is not None:
+                try:
+                    works += self._pack_and_issue(version, pending)
+                finally:
+                    self._packed.set()
             for work, what in works:
                 self.group.wait(work, self.group.member, what, self.round)
             if self.checksum:
@@ -112,6 +163,13 @@ class WeightPublisher:
         except Exception as exc:  # not swallowed: re-raised in the caller's thread by wait()/publish()
             self._error = exc
         assert header.numel() == HEADER_LEN  # the header tensor must stay alive until its broadcast ends
+
+    def wait_packed(self) -> None:
+        """Block until the version in flight is packed into the send buckets (its tensors may change);
+        packing is local work, so this wait needs no peer. Re-raises a background failure."""
+        self._packed.wait()
+        if self._error is not None:
+            self.wait()
 
     @property
     def in_flight(self) -> bool:
@@ -136,21 +194,39 @@ class WeightReceiver:
         self.layout = share_layout(group, None, src_member)
         self.device = _device_for(group.backend)
         self.buckets = allocate_buckets(self.layout, self.device)
+        self.bucket_views = bucket_views(self.layout, self.buckets)
         self.round = 0
 
-    def receive(self) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """Take part in one version's broadcasts; returns (version, named views valid until the next call)."""
+    def receive(self, on_bucket: BucketConsumer | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """Take part in one version's broadcasts; returns (version, named views valid until the next call).
+
+        `on_bucket(named)`, when given, is called with each bucket's named views as soon as that bucket
+        has landed, while the following buckets are still on the wire (see the module docstring)."""
         self.round += 1
         self.group.mark_arrival(self.round)
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
         self.group.broadcast(header, self.src, "weights header")
         version = self._check_header(header.tolist())
-        works = [self.group.start_broadcast(b, self.src) for b in self.buckets]
-        for index, work in enumerate(works):
-            self.group.wait(work, self.src, f"weights v{version} bucket {index}/{len(works)}")
+        error = self._receive_buckets(version, on_bucket)
         if header[4].item():
             self._verify_checksums(version)
-        return version, unpack(self.layout, self.buckets)
+        if error is not None:  # raised once every broadcast of this version, checksums included, is done
+            raise error
+        return version, [named for views in self.bucket_views for named in views]
+
+    def _receive_buckets(self, version: int, on_bucket: BucketConsumer | None) -> Exception | None:
+        """All bucket broadcasts in flight at once; hand each to `on_bucket` as it lands. Returns the
+        consumer's error, if any, after every bucket broadcast has completed (bounded waits)."""
+        works = [self.group.start_broadcast(b, self.src) for b in self.buckets]
+        error: Exception | None = None
+        for index, work in enumerate(works):
+            self.group.wait(work, self.src, f"weights v{version} bucket {index}/{len(works)}")
+            if on_bucket is not None and error is None:
+                try:
+                    on_bucket(self.bucket_views[index])
+                except Exception as exc:  # raised by receive() once the wire is drained
+                    error = exc
+        return error
 
     def _check_header(self, header: list[int]) -> int:
         magic, version, num_buckets, fingerprint, _ = header

@@ -12,6 +12,12 @@ Receiving side (`WeightSource`): `receive()` blocks (bounded by the timeout) unt
 delivered and returns (version, named tensors). The tensors stay valid until the next `receive()`: the
 caller hands them to `engine.update_weights`, which copies them, before receiving again.
 
+The group implementation adds two options (see `rollart_hpc.weights.publisher`): `publish(...,
+snapshot=False)` returns before packing, the caller leaving its tensors unchanged until `wait_packed()`
+(nothing to wait for when it hands over tensors it never touches again, e.g. a fresh copy);
+`receive(on_bucket)` hands each bucket's named views to the caller as soon as it lands, while the next
+buckets are on the wire, so the caller's copy overlaps the transfer.
+
 Invariants: versions reach every receiver in publish order, each exactly once, bit-identical to the
 snapshot taken at publish; an announcement of version v precedes the delivery of v.
 """
@@ -31,7 +37,7 @@ from rollart_hpc.cluster.world import World
 from rollart_hpc.contracts.errors import PeerTimeoutError
 from rollart_hpc.weights.buckets import layout_for
 from rollart_hpc.weights.group import Backend, StandaloneGroup, make_standalone_group
-from rollart_hpc.weights.publisher import WeightPublisher, WeightReceiver
+from rollart_hpc.weights.publisher import BucketConsumer, WeightPublisher, WeightReceiver
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 Received = tuple[int, list[tuple[str, torch.Tensor]]]
@@ -41,7 +47,10 @@ Announce = Callable[[int], None]
 class WeightSender(Protocol):
     """The publishing side (see the module docstring)."""
 
-    def publish(self, version: int, named_tensors: NamedTensors) -> None: ...
+    def publish(self, version: int, named_tensors: NamedTensors, *, snapshot: bool = True) -> None:
+        """Announce and send `version`. `snapshot=False`: the caller hands over tensors it never changes
+        again (e.g. fresh copies), so the sender need not copy them before it returns."""
+        ...
 
     def wait(self) -> None: ...
 
@@ -118,11 +127,16 @@ class GroupWeightSender:
         layout = layout_for(named.items(), int(bucket_mb * 2**20))
         return cls(WeightPublisher(group, layout, checksum=checksum), announce)
 
-    def publish(self, version: int, named_tensors: NamedTensors) -> None:
+    def publish(self, version: int, named_tensors: NamedTensors, *, snapshot: bool = True) -> None:
+        """`WeightSender.publish`; `snapshot=False` defers the packing (see `WeightPublisher.publish`):
+        the caller leaves its tensors unchanged until `wait_packed()` returns."""
         self.publisher.wait()
         if self.announce is not None:
             self.announce(version)
-        self.publisher.publish(version, named_tensors)
+        self.publisher.publish(version, named_tensors, snapshot=snapshot)
+
+    def wait_packed(self) -> None:
+        self.publisher.wait_packed()
 
     def wait(self) -> None:
         self.publisher.wait()
@@ -143,8 +157,10 @@ class GroupWeightReceiver:
         """Collective with the sender's `GroupWeightSender.open`: receive the bucket layout."""
         return cls(WeightReceiver(group, src_member))
 
-    def receive(self) -> Received:
-        return self.receiver.receive()
+    def receive(self, on_bucket: BucketConsumer | None = None) -> Received:
+        """`WeightSource.receive`; `on_bucket` sees each bucket's named views as soon as it lands, while
+        the next buckets are still on the wire (see `WeightReceiver.receive`)."""
+        return self.receiver.receive(on_bucket)
 
 
 # ----- in one process: threads and queues (tests, fakes) -----
@@ -173,14 +189,15 @@ class InProcessWeightSender:
         self._thread: threading.Thread | None = None
         self._error: Exception | None = None
 
-    def publish(self, version: int, named_tensors: NamedTensors) -> None:
+    def publish(self, version: int, named_tensors: NamedTensors, *, snapshot: bool = True) -> None:
         self.wait()
         if self.announce is not None:
             self.announce(version)
-        snapshot = [(name, t.detach().clone()) for name, t in _named_dict(named_tensors).items()]
+        named = _named_dict(named_tensors).items()
+        copies = [(name, t.detach().clone() if snapshot else t.detach()) for name, t in named]
         acks = [threading.Event() for _ in self.transport.queues]
         for q, ack in zip(self.transport.queues, acks, strict=True):
-            q.put((int(version), snapshot, ack))
+            q.put((int(version), copies, ack))
         self._thread = threading.Thread(
             target=self._finish, args=(version, acks), name=f"weights-v{version}", daemon=True
         )

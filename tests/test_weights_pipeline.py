@@ -1,0 +1,150 @@
+"""Publisher and receiver over recording fake groups (single process): the order of issue, landing and
+consumption of the bucket broadcasts, and the deferred packing of `publish(snapshot=False)`.
+
+The real multi-process version is tests/test_weights_pipeline_mpi.py."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from rollart_hpc.weights.buckets import layout_for
+from rollart_hpc.weights.publisher import WeightPublisher, WeightReceiver
+
+BUCKET_BYTES = 4096
+
+
+def model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [((100, 7), torch.float32), ((333,), torch.bfloat16), ((1500,), torch.float32),
+              ((41, 9), torch.float32), ((2048,), torch.bfloat16), ((129,), torch.bfloat16)]  # fmt: skip
+    return {f"w{i}": torch.randn(s, generator=g).to(dt) for i, (s, dt) in enumerate(shapes)}
+
+
+class _Work:
+    def __init__(self, on_wait: Any) -> None:
+        self.on_wait = on_wait
+
+    def wait(self) -> None:
+        self.on_wait()
+
+
+class _FakeGroup:
+    """The `StandaloneGroup` surface the publisher and receiver use. As the source it records a clone of
+    every broadcast tensor when its work is waited; as a receiver it replays `payloads` in issue order."""
+
+    backend = "gloo"
+
+    def __init__(self, member: int, payloads: list[torch.Tensor] | None = None) -> None:
+        self.member, self.payloads = member, payloads
+        self.gate: threading.Event | None = None
+        self.sent: list[torch.Tensor] = []
+        self.events: list[tuple[str, int]] = []
+        self.issued = 0
+        self.world = SimpleNamespace(me=f"member {member}")
+
+    def start_broadcast(self, tensor: torch.Tensor, src_member: int) -> _Work:
+        index, self.issued = self.issued, self.issued + 1
+        self.events.append(("issue", index))
+        if self.gate is not None and index == 1:
+            assert self.gate.wait(10), "the gate was never opened"
+        if self.member == src_member:
+            return _Work(lambda: self.sent.append(tensor.clone()))
+        assert self.payloads is not None
+        return _Work(lambda: (tensor.copy_(self.payloads[index]), self.events.append(("land", index))))
+
+    def wait(self, work: _Work, src_member: int, what: str, round_id: int | None = None) -> None:
+        work.wait()
+
+    def broadcast(self, tensor: torch.Tensor, src_member: int, what: str = "broadcast") -> None:
+        self.wait(self.start_broadcast(tensor, src_member), src_member, what)
+
+    def mark_arrival(self, round_id: int) -> None:
+        self.events.append(("arrive", round_id))
+
+
+def _publish(named: dict[str, torch.Tensor], snapshot: bool = True, checksum: bool = False) -> _FakeGroup:
+    group = _FakeGroup(0)
+    pub = WeightPublisher(group, layout_for(named.items(), BUCKET_BYTES), checksum)  # type: ignore[arg-type]
+    pub.publish(3, named, snapshot=snapshot)
+    pub.wait()
+    return group
+
+
+def test_receiver_consumes_each_bucket_before_the_next_lands_with_all_issued_first() -> None:
+    named = model(1)
+    sender = _publish(named)
+    group = _FakeGroup(1, sender.sent)
+    rec = WeightReceiver(group, 0)  # type: ignore[arg-type]
+    num_buckets = rec.layout.num_buckets
+    assert num_buckets >= 4
+    group.events.clear()
+    consumed: dict[str, torch.Tensor] = {}
+
+    def consume(views: list[tuple[str, torch.Tensor]]) -> None:
+        group.events.append(("consume", len(consumed)))
+        consumed.update((n, v.clone()) for n, v in views)
+
+    version, views = rec.receive(consume)
+    first = 3  # two layout broadcasts, then the header, then one per bucket
+    buckets = range(first, first + num_buckets)
+    expected = [("arrive", 1), ("issue", 2), ("land", 2), *[("issue", i) for i in buckets]]
+    for i in buckets:
+        expected += [("land", i), ("consume", -1)]
+    got = [(kind, -1 if kind == "consume" else i) for kind, i in group.events]
+    assert version == 3 and got == expected
+    for name, tensor in named.items():
+        assert torch.equal(consumed[name].view(torch.uint8), tensor.view(torch.uint8))
+    assert [n for n, _ in views] == list(named)
+
+
+def test_receiver_reuses_its_buckets_across_versions() -> None:
+    sender = _publish(model(1))
+    group = _FakeGroup(1, sender.sent + sender.sent[2:])
+    rec = WeightReceiver(group, 0)  # type: ignore[arg-type]
+    pointers = [b.data_ptr() for b in rec.buckets]
+    _, first = rec.receive()
+    _, second = rec.receive()
+    assert [b.data_ptr() for b in rec.buckets] == pointers
+    assert [v.data_ptr() for _, v in first] == [v.data_ptr() for _, v in second]
+
+
+def test_consumer_error_is_raised_after_every_bucket_and_the_checksums_landed() -> None:
+    sender = _publish(model(1), checksum=True)
+    group = _FakeGroup(1, sender.sent)
+    rec = WeightReceiver(group, 0)  # type: ignore[arg-type]
+    consumed = []
+
+    def fail(views: list[tuple[str, torch.Tensor]]) -> None:
+        consumed.append(views)
+        raise ValueError("consumer failed")
+
+    with pytest.raises(ValueError, match="consumer failed"):
+        rec.receive(fail)
+    assert len(consumed) == 1  # not called again after it raised
+    landed = [i for kind, i in group.events if kind == "land"]
+    assert landed == list(range(len(sender.sent)))  # layout, header, every bucket, then the checksums
+    assert len(sender.sent) == 2 + 1 + rec.layout.num_buckets + 1
+
+
+def test_deferred_publish_returns_before_packing_and_sends_the_tensors() -> None:
+    named = model(2)
+    gate = threading.Event()
+    group = _FakeGroup(0)
+    pub = WeightPublisher(group, layout_for(named.items(), BUCKET_BYTES))  # type: ignore[arg-type]
+    group.gate, group.issued = gate, 0  # after the layout: the header is issue 0, the first bucket issue 1
+    pub.publish(4, named, snapshot=False)  # would block on the gate if it packed in this thread
+    assert pub.in_flight and group.issued <= 2  # the header, perhaps the first bucket held at the gate
+    gate.set()
+    pub.wait_packed()
+    expected = {n: t.clone() for n, t in named.items()}
+    for tensor in named.values():
+        tensor.fill_(0.0)  # allowed once packed
+    pub.wait()
+    _, views = WeightReceiver(_FakeGroup(1, group.sent), 0).receive()  # type: ignore[arg-type]
+    for name, view in views:
+        assert torch.equal(view.view(torch.uint8), expected[name].view(torch.uint8))

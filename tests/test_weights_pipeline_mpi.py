@@ -1,0 +1,160 @@
+"""Pipelined receive under mpiexec (1 publisher + 2 receivers, standalone gloo group): buckets of uneven
+sizes holding bf16 and fp32 tensors, each bucket handed to `on_bucket` as it lands while the next ones
+are on the wire, bit-identical to what was published, for both snapshot modes of `publish`; a consumer
+error is raised only after the version's broadcasts drained, and the next version still arrives.
+
+The same file is the MPI program: `python test_weights_pipeline_mpi.py TIMEOUT OUT_DIR` on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+TIMEOUT_S = 20.0
+BUCKET_BYTES = 4096
+VERSIONS = (1, 2, 3, 4)
+FAILING_VERSION = 5  # receiver rank 1's consumer raises on its second bucket
+LAST_VERSION = 6
+
+
+def model(version: int) -> dict[str, torch.Tensor]:
+    """Uneven bf16/fp32 tensors: some share a bucket, one is larger than a bucket, sizes not aligned."""
+    g = torch.Generator().manual_seed(500 + version)
+    shapes = [((100, 7), torch.float32), ((333,), torch.bfloat16), ((1500,), torch.float32),
+              ((3, 5), torch.bfloat16), ((41, 9), torch.float32), ((2048,), torch.bfloat16),
+              ((1,), torch.float32), ((700,), torch.float32), ((129,), torch.bfloat16)]  # fmt: skip
+    return {f"model.layers.{i}.w": torch.randn(s, generator=g).to(dt) for i, (s, dt) in enumerate(shapes)}
+
+
+def digest(named: dict[str, torch.Tensor] | list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    items = named.items() if isinstance(named, dict) else named
+    return {
+        n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in items
+    }
+
+
+# ----- the MPI program -----
+def _publish(world: Any, group: Any, result: dict[str, Any]) -> None:
+    from rollart_hpc.weights.buckets import layout_for
+    from rollart_hpc.weights.publisher import WeightPublisher
+
+    named = model(0)
+    pub = WeightPublisher(group, layout_for(named.items(), BUCKET_BYTES))
+    result["bucket_nbytes"] = list(pub.layout.bucket_nbytes)
+    result["published"] = {}
+    for version in (*VERSIONS, FAILING_VERSION, LAST_VERSION):
+        for name, tensor in model(version).items():
+            named[name].copy_(tensor)
+        snapshot = version % 2 == 1
+        pub.publish(version, named, snapshot=snapshot)
+        if not snapshot:
+            pub.wait_packed()
+        result["published"][str(version)] = digest(named)
+        for tensor in named.values():
+            tensor.fill_(-1.0)  # the snapshot rule: changing the tensors now must not reach the receivers
+        pub.wait()
+
+
+def _receive(world: Any, group: Any, result: dict[str, Any]) -> None:
+    from rollart_hpc.weights.publisher import WeightReceiver
+
+    rec = WeightReceiver(group, 0)
+    staged = {n: torch.empty_like(t) for n, t in model(0).items()}
+    result["received"], result["views"], result["bucket_calls"] = {}, {}, {}
+    for version in (*VERSIONS, FAILING_VERSION, LAST_VERSION):
+        calls: list[list[str]] = []
+
+        def stage(
+            views: list[tuple[str, torch.Tensor]], calls: list[list[str]] = calls, version: int = version
+        ) -> None:
+            calls.append([n for n, _ in views])
+            if version == FAILING_VERSION and world.rank == 1 and len(calls) == 2:
+                raise ValueError("consumer failed")
+            for name, view in views:
+                staged[name].copy_(view)
+
+        try:
+            got, views = rec.receive(stage)
+        except ValueError as exc:
+            result["consumer_error"] = str(exc)
+            continue
+        result["received"][str(got)] = digest(staged)
+        result["views"][str(got)] = digest(views)
+        result["bucket_calls"][str(got)] = calls
+
+
+def main() -> None:
+    from rollart_hpc.cluster.env import read_process_env
+    from rollart_hpc.cluster.plan import RoleRange, RunPlan
+    from rollart_hpc.cluster.world import make_world
+    from rollart_hpc.weights.group import make_standalone_group
+
+    timeout, out_dir = float(sys.argv[1]), Path(sys.argv[2])
+    plan = RunPlan((RoleRange("trainer", 0, 1, ""), RoleRange("rollout", 1, 2, "")))
+    world = make_world(plan, read_process_env(), timeout)
+    group = make_standalone_group(world, [0, 1, 2], "gloo", timeout)
+    result: dict[str, Any] = {"rank": world.rank}
+    (_publish if world.rank == 0 else _receive)(world, group, result)
+    group.close()
+    (out_dir / f"rank-{world.rank}.json").write_text(json.dumps(result))
+
+
+# ----- the tests -----
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from rollart_hpc.entry.launcher import mpi_environment
+
+    out = tmp_path_factory.mktemp("weights-pipeline")
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    cmd = [mpiexec, "-n", "3", "--oversubscribe", sys.executable, __file__, str(TIMEOUT_S), str(out)]
+    proc = subprocess.run(cmd, env=mpi_environment(), timeout=240, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(3)]
+
+
+@pytest.mark.mpi
+def test_layout_has_several_uneven_buckets(results: list[dict[str, Any]]) -> None:
+    sizes = results[0]["bucket_nbytes"]
+    assert len(sizes) >= 4 and len(set(sizes)) >= 3
+    assert max(sizes) > BUCKET_BYTES  # the tensor larger than a bucket has its own
+
+
+@pytest.mark.mpi
+def test_staged_copies_and_views_are_bit_identical_in_both_snapshot_modes(
+    results: list[dict[str, Any]],
+) -> None:
+    published = results[0]["published"]
+    assert published["1"] != published["2"]
+    for rank in (1, 2):
+        for version in (*VERSIONS, LAST_VERSION):
+            assert results[rank]["received"][str(version)] == published[str(version)]
+            assert results[rank]["views"][str(version)] == published[str(version)]
+
+
+@pytest.mark.mpi
+def test_on_bucket_sees_each_bucket_once_in_layout_order(results: list[dict[str, Any]]) -> None:
+    names = list(model(0))
+    for rank in (1, 2):
+        for calls in results[rank]["bucket_calls"].values():
+            assert len(calls) == len(results[0]["bucket_nbytes"])
+            assert [n for call in calls for n in call] == names
+
+
+@pytest.mark.mpi
+def test_consumer_error_is_raised_and_the_next_version_still_arrives(results: list[dict[str, Any]]) -> None:
+    assert results[1]["consumer_error"] == "consumer failed"
+    assert str(FAILING_VERSION) not in results[1]["received"]
+    assert results[2]["received"][str(FAILING_VERSION)] == results[0]["published"][str(FAILING_VERSION)]
+    assert results[1]["received"][str(LAST_VERSION)] == results[0]["published"][str(LAST_VERSION)]
+
+
+if __name__ == "__main__":
+    main()
