@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rollart_hpc.entry.launcher import mpi_environment, pid_alive
+from rollart_hpc.cluster.procs import pid_alive
+from rollart_hpc.entry.launcher import mpi_environment
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "mpi_scripts" / "world_check.py"

@@ -22,6 +22,8 @@ import os
 import signal
 import sys
 
+from rollart_hpc.cluster.procs import pid_alive
+
 RANK_PID_VARIABLE = "ROLLART_RANK_PID"
 _PR_SET_PDEATHSIG = 1
 
@@ -38,23 +40,13 @@ def die_with_parent() -> None:
     """In a spawn child of a rank: die with the parent, and exit now if the rank is already gone."""
     set_parent_death_signal()
     rank_pid = _exported_rank_pid()
-    if rank_pid is not None and not _alive(rank_pid):
+    if rank_pid is not None and not pid_alive(rank_pid):
         os._exit(1)
 
 
 def _exported_rank_pid() -> int | None:
     value = os.environ.get(RANK_PID_VARIABLE)
     return int(value) if value else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _forker: list[int] = []  # pid of the process about to fork, read by its child

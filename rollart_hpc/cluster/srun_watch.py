@@ -23,7 +23,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
+
+from rollart_hpc.cluster.procs import pid_alive
 
 # Steps of a job that are not an srun step: the batch script itself and the extern/interactive steps.
 NOT_SRUN_STEPS = ("batch", "extern", "interactive")
@@ -54,26 +55,11 @@ def squeue_steps(job_id: str) -> list[str] | None:
     return srun_steps(job_id, out.split())
 
 
-def alive(pid: int) -> bool:
-    """Running (an exited process its parent has not reaped yet counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs: signal 0 is all there is
-    return stat[stat.rfind(")") + 2 :][:1] != "Z"
-
-
 def watch(pid: int, steps: StepLister, grace_s: float, poll_s: float = 5.0) -> bool:
     """Until `pid` exits: True once it was SIGKILLed for outliving its step by `grace_s`."""
     seen = False
     gone_since: float | None = None
-    while alive(pid):
+    while pid_alive(pid):
         listed = steps()
         if listed:
             seen, gone_since = True, None

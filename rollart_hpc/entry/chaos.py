@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rollart_hpc.cluster.procs import children, pid_alive
 from rollart_hpc.contracts.errors import UsageError
 
 FAULTS = ("kill", "stop", "checkpoint", "disk", "engine")
@@ -202,25 +203,6 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
         return None
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def children(pid: int) -> list[int]:
-    """The direct children of a process (none when it is gone)."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return sorted(set(found))
-
-
 def restart_rows(run_dir: Path) -> list[dict[str, Any]]:
     from rollart_hpc.entry.restarts import read_restarts
 
@@ -365,9 +347,9 @@ def end_stopped(injection: Injection, peer_timeout_s: float) -> None:
     """A stopped rank is ended by the world (its peers time out, the launcher kills it); one still there
     after the peer timeout and a margin is SIGKILLed here."""
     deadline = injection.at + peer_timeout_s + 60.0
-    while alive(injection.pid) and time.monotonic() < deadline:
+    while pid_alive(injection.pid) and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    if alive(injection.pid):
+    if pid_alive(injection.pid):
         os.kill(injection.pid, signal.SIGKILL)
         injection.detail += f"; still stopped after {peer_timeout_s + 60:g}s: SIGKILL"
     else:

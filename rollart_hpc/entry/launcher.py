@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollart_hpc.cluster.procs import pid_alive
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.entry import restarts
 from rollart_hpc.entry.restarts import WorldOutcome
@@ -249,14 +250,6 @@ def rank_roles(run_dir: Path) -> dict[int, str]:
     for path in (run_dir / "pids").glob("rank-*.pid"):
         roles[int(path.stem.split("-")[1])] = str(json.loads(path.read_text())["role"])
     return roles
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def reap_ranks(run_dir: Path, grace_s: float = 5.0) -> list[int]:
