@@ -182,26 +182,18 @@ def test_batch_invariant_requests_are_bit_identical_together_or_alone(model_dir:
     def sampling(i: int) -> SamplingParams:
         return SamplingParams(temperature=1.0, max_tokens=10, seed=100 + i)
 
-    together = LLMEngine.from_pretrained(
-        model_dir,
-        num_slots=3,
-        max_model_len=96,
-        eos_token_ids=(),
-        max_num_batched_tokens=16,
-        batch_invariant=True,
-    )
+    def engine(num_slots: int) -> LLMEngine:
+        return LLMEngine.from_pretrained(
+            model_dir, num_slots=num_slots, max_model_len=96, eos_token_ids=(), max_num_batched_tokens=16,
+            batch_invariant=True,
+        )  # fmt: skip
+
+    together = engine(3)
     together.add_request("0", prompts[0], sampling(0))
     together.step()
     got = _run(together, {str(i): (p, sampling(i)) for i, p in enumerate(prompts) if i})
     for i, p in enumerate(prompts):
-        alone_engine = LLMEngine.from_pretrained(
-            model_dir,
-            num_slots=1,
-            max_model_len=96,
-            eos_token_ids=(),
-            max_num_batched_tokens=16,
-            batch_invariant=True,
-        )
+        alone_engine = engine(1)
         alone = _run(alone_engine, {"x": (p, sampling(i))})["x"]
         assert got[str(i)].token_ids == alone.token_ids
         assert got[str(i)].logprobs == alone.logprobs  # exact: same bits
