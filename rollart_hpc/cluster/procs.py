@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -31,3 +32,22 @@ def children(pid: int) -> list[int]:
         except OSError:
             continue
     return sorted(set(found))
+
+
+def rank_exit_path(run_dir: Path, rank: int) -> Path:
+    """Written by a rank whose main returned normally: the launcher tells a finished rank from a silent
+    death, and the srun watcher a step whose every rank finished from one it had to end."""
+    return run_dir / "pids" / f"rank-{rank}.exit"
+
+
+def ranks_finished(run_dir: Path, ranks: int, since: float) -> bool:
+    """Every rank 0..ranks-1 wrote its exit record with code 0 at or after `since` (a Unix time: records
+    of an earlier step of the same run do not count)."""
+    for rank in range(ranks):
+        try:
+            record = json.loads(rank_exit_path(run_dir, rank).read_text())
+        except (OSError, ValueError):
+            return False
+        if not isinstance(record, dict) or record.get("code") != 0 or float(record.get("time", 0)) < since:
+            return False
+    return True

@@ -385,6 +385,7 @@ def render_job(spec: JobSpec, components: tuple[HetComponent, ...], template_dir
         "RUN_DIR": shlex.quote(str(spec.run_dir)),
         "MPI_ENV": shlex.quote(str(spec.mpi_env)),
         "PLAN": shlex.quote(plan_line(components)),
+        "WORLD_SIZE": str(sum(c.num_ranks for c in components)),
         "HET_GROUP_ARG": f"--het-group={groups} " if len(components) > 1 else "",
         "PYTHON": shlex.quote(spec.python),
     }

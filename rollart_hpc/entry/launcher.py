@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollart_hpc.cluster.procs import pid_alive
+from rollart_hpc.cluster.procs import pid_alive, rank_exit_path
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.entry import restarts
 from rollart_hpc.entry.restarts import WorldOutcome
@@ -178,7 +178,7 @@ class WorldWatch:
         self.over_since: float | None = None
 
     def finished(self, rank: int) -> bool:
-        return exit_marker(self.run_dir, rank).exists()
+        return rank_exit_path(self.run_dir, rank).exists()
 
     def silent_deaths(self) -> list[int]:
         """Ranks that ended without finishing their main and without writing a failure report."""
@@ -200,10 +200,6 @@ class WorldWatch:
 
     def all_finished(self) -> bool:
         return all(self.finished(r) for r in range(self.world_size))
-
-
-def exit_marker(run_dir: Path, rank: int) -> Path:
-    return run_dir / "pids" / f"rank-{rank}.exit"  # written by entry/worker.py when a rank's main returns
 
 
 def failure_ranks(run_dir: Path) -> set[int]:

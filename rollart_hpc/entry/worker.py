@@ -18,6 +18,7 @@ from rollart_hpc.cluster import lifetime, signals
 from rollart_hpc.cluster.env import read_process_env
 from rollart_hpc.cluster.placement import apply_placement, place_rank
 from rollart_hpc.cluster.plan import make_plan
+from rollart_hpc.cluster.procs import rank_exit_path
 from rollart_hpc.cluster.world import World, make_world
 from rollart_hpc.config import read_resolved
 from rollart_hpc.config.schema import ClusterConfig, Config
@@ -93,13 +94,8 @@ def run_rank(run_dir: Path) -> int:
         record_failure(run_dir, world, exc)
         world.comm.Abort(1)
         return 1
-    atomic_write_json(exit_path(run_dir, world.rank), {"code": 0, "time": time.time()})
+    atomic_write_json(rank_exit_path(run_dir, world.rank), {"code": 0, "time": time.time()})
     return 0
-
-
-def exit_path(run_dir: Path, rank: int) -> Path:
-    """Written when a rank's main returns normally: the launcher tells a finished rank from a silent death."""
-    return run_dir / "pids" / f"rank-{rank}.exit"
 
 
 if __name__ == "__main__":
