@@ -48,7 +48,7 @@ ranks_per_node = 4
 cpus_per_rank = 2
 mem_gb = 8
 [roles.rollout]
-num_ranks = 6
+num_ranks = 5
 partition = "infer"
 ranks_per_node = 4
 gpus_per_rank = 2
@@ -60,7 +60,7 @@ sbatch_extra = ["--account=proj_x", "--qos=high", "--exclusive"]
 [roles.env]
 partition = "infer"
 [roles.reward]
-num_ranks = 0
+partition = "infer"
 [roles.trainer]
 num_ranks = 8
 partition = "train"
@@ -183,7 +183,7 @@ def test_roles_of_one_component_must_agree_on_its_node_layout(tmp_path: Path) ->
     ):
         het_components(make_plan(config.roles))
     config = _config(
-        tmp_path, MULTI_NODE_GPU, "roles.controller.ranks_per_node=0", "roles.rollout.num_ranks=5"
+        tmp_path, MULTI_NODE_GPU, "roles.controller.ranks_per_node=0", "roles.rollout.num_ranks=4"
     )
     with pytest.raises(UsageError, match="share a job component of 7 ranks, which do not fill nodes of 4"):
         het_components(make_plan(config.roles))
@@ -194,8 +194,8 @@ def test_submitit_gets_the_same_requests(tmp_path: Path) -> None:
     plan = make_plan(_config(tmp_path, text, "roles.trainer.sbatch_extra=[]").roles)
     spec = JobSpec("s", HOSTILE_RUN_DIR, 30, 2, job="rl")
     params = submitit_parameters(spec, plan, nodes=2)
-    # node 0: controller, 6 rollout ranks (12 GPUs), env; node 1: 8 trainers (8 GPUs, 800G)
-    assert params["ntasks_per_node"] == 8 and params["gres"] == "gpu:h200:12"
+    # node 0: controller, 5 rollout ranks (10 GPUs), env, reward; node 1: 8 trainers (8 GPUs, 800G)
+    assert params["ntasks_per_node"] == 8 and params["gres"] == "gpu:h200:10"
     assert params["cpus_per_task"] == 10 and params["mem"] == "800G" and params["constraint"] == "h200&ib"
     assert params["additional_parameters"] == {
         "requeue": True,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rollart_hpc.sim.profile import calibrate
 from rollart_hpc.store.trajectories import read_store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,6 +79,13 @@ def test_async_run_accounts_for_every_trajectory(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2] and [r["version"] for r in rows] == [1, 2, 3]
     for key in ("wall_s", "trained_trajectories", "train_success", "train_success/calc_math"):
         assert key in rows[0]
+    # the controller's trace holds every stored episode once, and the scale simulator calibrates on it
+    trace = [json.loads(line) for line in (run_dir / "timeline/controller.jsonl").read_text().splitlines()]
+    assert sorted(e["id"] for e in trace if e["e"] == "result") == sorted(r.episode_id for r in records)
+    assert [e["step"] for e in trace if e["e"] == "trained"] == [0, 1, 2]
+    profile, measured = calibrate(run_dir, num_rollouts=1)
+    assert measured.trained == 12 and len(profile.episodes) == len(records)
+    assert profile.decode_s + profile.decode_s_per_request > 0 and profile.fit["mean_llm_s"] > 0
 
 
 def test_sync_equals_async_with_zero_staleness(tmp_path):
@@ -185,3 +193,49 @@ def test_killed_rank_is_named_and_resume_continues(tmp_path):
     assert "rank 2 (env) died without reporting an error (killed or crashed)" in err
     resume(run_dir)
     assert_complete_once(run_dir, 4, 4)
+
+
+def test_eval_rounds_in_run_and_standalone_eval_of_a_checkpoint(tmp_path):
+    """Evaluation rounds during a run (every step, greedy too, held-out split) and at its end, outside the
+    training accounting; then `launch.py eval` of the run's checkpoint through a world of its own."""
+    run_dir = run(
+        tmp_path,
+        "eval",
+        "controller.num_steps=2",
+        "controller.eval_every_steps=1",
+        "controller.eval_greedy=true",
+        "controller.checkpoint_every_steps=1",
+    )
+    all_rows = rows(run_dir)
+    evals = [r for r in all_rows if r.get("kind") == "eval"]
+    assert [r["step"] for r in all_rows if r.get("kind") != "eval"] == [0, 1]
+    assert evals[0]["version"] == 0 and evals[-1]["version"] == 2  # the first version and the final one
+    for r in evals:
+        for key in (
+            "eval_success",
+            "eval_success/calc_math",
+            "eval_success_greedy",
+            "heldout_success/calc_math",
+        ):
+            assert 0.0 <= r[key] <= 1.0
+        assert r["eval_episodes"] == 2 * (12 + 32) and r["step"] == r["version"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (
+        summary["balanced"] and summary["accounting"]["dispatched"] == summary["accounting"]["trained"] == 8
+    )
+    assert summary["eval"]["version"] == 2
+    records = read_store(run_dir / "trajectories.h5").records
+    assert len(records) == 8 and not [r for r in records if r.episode_id.startswith("eval-")]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "eval", str(run_dir), "--checkpoint", "step-1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "heldout_success/calc_math" in result.stdout
+    out = json.loads((run_dir / "eval-step-000001.json").read_text())
+    assert out["version"] == out["row"]["version"] == 1 and out["row"]["eval_episodes"] == 2 * (12 + 32)
+    assert {out["row"]["eval_token_version_min"], out["row"]["eval_token_version_max"]} == {1}
+    assert not (run_dir / "eval-step-000002.json").exists()

@@ -32,3 +32,28 @@ FAMILY_NAMES: tuple[FamilyName, ...] = ("household", "calc_math", "frozenlake")
 
 HOUSEHOLD_TYPES = ("put_in", "put_on", "two_obj", "open_then_put", "other_room", "cook")
 """Household quest types; game `i` of the canonical set has type `HOUSEHOLD_TYPES[i % 6]`."""
+
+AlgoName = Literal["spo++", "spo", "grpo", "dr_grpo", "custom"]
+TrackerKind = Literal["", "event_time", "arrival"]
+Normalization = Literal["", "action_token", "trajectory"]
+Estimator = Literal["", "tracker", "group"]
+GroupAdvantage = Literal["", "grpo", "dr_grpo"]
+
+ALGO_PRESETS: dict[str, dict[str, str]] = {
+    "spo++": {"tracker": "event_time", "normalization": "action_token", "estimator": "tracker"},
+    "spo": {"tracker": "arrival", "normalization": "trajectory", "estimator": "tracker"},
+    "grpo": {"tracker": "event_time", "estimator": "group", "group_advantage": "grpo"},
+    "dr_grpo": {"tracker": "event_time", "estimator": "group", "group_advantage": "dr_grpo"},
+    "custom": {},
+}
+"""The algorithm arms of the SPO++ experiments: the `algo` fields each `algo.name` sets. 'custom' sets
+none; its unset fields take `ALGO_DEFAULTS`. The group arms keep a tracker: it drives the task sampler."""
+
+ALGO_DEFAULTS: dict[str, str] = {"tracker": "event_time", "estimator": "tracker"}
+"""What an `algo` field left unset ('') takes when `algo.name` does not set it."""
+
+DEFAULT_GROUP_SIZE = 4
+"""`algo.group_size` of the group estimator when the config leaves it at 0."""
+
+LEGACY_ADVANTAGE: dict[str, Normalization] = {"spo++": "action_token", "spo": "trajectory"}
+"""The old `algo.advantage` values and the `algo.normalization` each one means."""

@@ -42,6 +42,8 @@ def check_invariants(config: Config) -> None:
         for name in RL_SECTIONS:
             if getattr(config, name) != type(getattr(config, name))():
                 raise UsageError(f"{name}: options set but run.job is 'smoke'; remove them")
+    if config.run.job == "rl":
+        config.reward.check_num_ranks(config.roles.reward.num_ranks)
     check_role_resources(config)
 
 

@@ -16,7 +16,7 @@ A trajectory's `dispatch` dict is what the HDF5 store keeps of its ticket (`disp
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, Self, cast
 
 if TYPE_CHECKING:
@@ -137,7 +137,8 @@ class Trajectory(Record):
 @dataclass(frozen=True)
 class EpisodeTicket(Record):
     """controller -> env (DISPATCH): one episode to play, with its dispatch version v0, the tracker's
-    policy event and the SPO++ baseline frozen at dispatch, and the episode's sampling seed."""
+    policy event and the SPO++ baseline frozen at dispatch, and the episode's sampling seed. `group_id`:
+    the group of the group estimator (GRPO) the episode belongs to, "" outside one."""
 
     episode_id: str
     task_id: str
@@ -146,10 +147,12 @@ class EpisodeTicket(Record):
     baseline: float
     seed: int
     dispatch_time: float
+    group_id: str = ""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EpisodeTicket:
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        """The inverse of `to_dict`; a field with a default may be absent (tickets saved before it existed)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data or f.default is MISSING})
 
     def dispatch_record(self, env_rank: int, family: str) -> dict[str, DispatchValue]:
         """What the trajectory keeps of its ticket (stored in HDF5): the ticket, env rank and family."""

@@ -1,7 +1,7 @@
 """From one step's trajectories to the trainer ranks' shards: advantages, per-token arrays, DP split.
 
 Advantages are computed over the whole optimizer step's batch (SPO++ Eq. 6 normalises over the batch's
-action tokens), then split whole sequences across data-parallel ranks, balanced by tokens. Every shard
+action tokens; the group estimator centres each group of the batch, GRPO / Dr. GRPO), then split whole sequences across data-parallel ranks, balanced by tokens. Every shard
 carries the global action-token count of the step, the loss denominator on every rank. Torch-free.
 """
 
@@ -11,20 +11,47 @@ from typing import Any
 
 import numpy as np
 
-from rollart_hpc.algo.advantages import AdvantageInputs, advantage_diagnostics, get_advantage_estimator
+from rollart_hpc.algo.advantages import (
+    AdvantageInputs,
+    advantage_diagnostics,
+    dr_grpo_advantages,
+    get_advantage_estimator,
+)
+from rollart_hpc.config.schema import AlgoConfig
 from rollart_hpc.contracts.records import TrainShard
 from rollart_hpc.controller.core import Batch
 
+ESTIMATOR_OF_NORMALIZATION = {"action_token": "token", "trajectory": "trajectory"}
 
-def batch_advantages(batch: Batch, estimator: str) -> tuple[np.ndarray, dict[str, float]]:
+
+def estimator_name(algo: AlgoConfig) -> str:
+    """The `ADVANTAGE_ESTIMATORS` key of the configured arm: the group advantage of the group estimator,
+    else the normalisation of R - the frozen baseline."""
+    if algo.estimator == "group":
+        return algo.group_advantage
+    return ESTIMATOR_OF_NORMALIZATION[algo.normalization]
+
+
+def batch_advantages(batch: Batch, algo: AlgoConfig) -> tuple[np.ndarray, dict[str, float]]:
+    """Per-trajectory advantages of a step's batch under `algo`, and their diagnostics. The group estimator
+    groups by the tickets' `group_id`; its diagnostics read R - group mean as the raw advantage."""
     trajs = [r.trajectory for r in batch.results]
+    group_ids = [r.ticket.group_id for r in batch.results]
     inputs = AdvantageInputs(
         rewards=np.array([t.reward for t in trajs], dtype=np.float64),
         action_token_counts=np.array([t.num_action_tokens for t in trajs], dtype=np.float64),
         baselines=np.array([r.ticket.baseline for r in batch.results], dtype=np.float64),
+        group_ids=group_ids if algo.estimator == "group" else None,
     )
-    normalized = np.asarray(get_advantage_estimator(estimator)(inputs), dtype=np.float64)
-    diagnostics = advantage_diagnostics(inputs.raw_advantages(), inputs.action_token_counts, normalized)
+    if algo.estimator == "group" and not all(group_ids):
+        raise ValueError(f"step {batch.step}: the group estimator got episodes without a group id")
+    normalized = np.asarray(get_advantage_estimator(estimator_name(algo))(inputs), dtype=np.float64)
+    raw = (
+        dr_grpo_advantages(inputs.rewards, group_ids)
+        if algo.estimator == "group"
+        else inputs.raw_advantages()
+    )
+    diagnostics = advantage_diagnostics(raw, inputs.action_token_counts, normalized)
     return normalized, diagnostics
 
 

@@ -17,6 +17,17 @@ Invariants (pinned by tests/test_controller_core.py):
    due-first (every trajectory with v0 <= n - s is in batch n, and batch n waits for in-flight ones), no
    admitted trajectory ever falls out of the window, so nothing relies on discarding.
 3. The baseline of a ticket is frozen at dispatch (the tracker's dispatch event), whatever the arrival order.
+
+Group estimator (GRPO, `group_size` G >= 2): the G tickets of a group (one task, one `group_id`) are dispatched
+back to back; the group reserves G admission slots when its first ticket goes out and its version (the
+staleness clock) is that ticket's v0, the oldest of the group. The sampler counts a group as one request of
+its task. Once every member is back, a group with >= 2 buffered members is ready; one with fewer drops its
+survivors (cause "group_incomplete") and frees its G slots. A batch is B / G ready groups, due groups
+first: the arguments of invariant 2 hold with groups as the unit (B is a multiple of G).
+
+Arrival tracker (SPO, `SPOTracker`): results are folded in arrival order with rho from SPO's drift D; the
+controller holds no current-policy log-probs, so D is `drift_per_version` times the versions published
+since the task's previous fold (SPO: drift since the policy last applied to the prompt); first visit D = 0.
 """
 
 from __future__ import annotations
@@ -24,11 +35,11 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollart_hpc.algo.sampler import TaskSampler
-from rollart_hpc.algo.tracker import EventTimeTracker, ValueTracker, jeffreys_prior
+from rollart_hpc.algo.tracker import EventTimeTracker, SPORho, SPOTracker, ValueTracker, jeffreys_prior
 from rollart_hpc.config.choices import MODE_STALENESS, Mode
 from rollart_hpc.config.schema import AlgoConfig, ControllerConfig
 from rollart_hpc.contracts.records import EpisodeTicket, Trajectory
@@ -47,6 +58,26 @@ class Batch:
     results: list[BufferedResult]
 
 
+MIN_GROUP = 2  # fewest successful members a group trains with (a group of one has no spread)
+
+
+@dataclass
+class Group:
+    """One group of the group estimator: its task, version (v0 of its first ticket) and members."""
+
+    task_id: str
+    version: int
+    members: list[str] = field(default_factory=list)  # episode ids dispatched so far
+    returned: int = 0  # members back (buffered, failed or dropped)
+
+    def to_list(self) -> list[Any]:
+        return [self.task_id, self.version, list(self.members), self.returned]
+
+    @classmethod
+    def from_list(cls, data: Sequence[Any]) -> Group:
+        return cls(str(data[0]), int(data[1]), [str(e) for e in data[2]], int(data[3]))
+
+
 class ControllerCore:
     """Admission, buffering and batch assembly for one run (see the module docstring)."""
 
@@ -61,10 +92,16 @@ class ControllerCore:
         sampler: TaskSampler,
         seed: int = 0,
         clock: Callable[[], float] = time.time,
+        group_size: int = 0,
+        drift_per_version: float = 0.0,
     ) -> None:
         if mode in MODE_STALENESS and MODE_STALENESS[mode] != max_staleness:
             raise ValueError(
                 f"mode {mode!r} implies max_staleness {MODE_STALENESS[mode]}, got {max_staleness}"
+            )
+        if group_size and (group_size < MIN_GROUP or batch_size % group_size):
+            raise ValueError(
+                f"group_size {group_size} must be >= {MIN_GROUP} and divide batch_size {batch_size}"
             )
         self.batch_size, self.max_staleness, self.mode = batch_size, max_staleness, mode
         self.num_steps, self.seed = num_steps, seed
@@ -81,6 +118,12 @@ class ControllerCore:
         self.dropped: Counter[str] = Counter()
         self.failed: Counter[str] = Counter()
         self.staleness: Counter[int] = Counter()
+        self.group_size = group_size  # 0: no groups (tracker estimator)
+        self.groups: dict[str, Group] = {}  # group id -> group, dispatched and not yet trained or dropped
+        self.open_group: str | None = None  # the group whose members are being dispatched
+        self.next_group = 0
+        self.drift_per_version = drift_per_version  # arrival tracker: D per version since the last fold
+        self.last_fold: dict[str, int] = {}  # arrival tracker: task id -> version at its last fold
 
     @classmethod
     def build(
@@ -95,10 +138,22 @@ class ControllerCore:
         rho: float = 0.875,
         sampler_epsilon: float = 0.05,
         max_in_flight_per_task: int = 1,
+        tracker_kind: str = "event_time",
+        arrival_rho: SPORho | None = None,
+        drift_per_version: float = 0.0,
+        group_size: int = 0,
     ) -> ControllerCore:
-        """A core with an SPO++ `EventTimeTracker` (no offline outcomes: v = 0.5 per task) and a
-        `TaskSampler` over `task_ids`, both seeded from `seed`."""
-        tracker = EventTimeTracker({t: jeffreys_prior([]) for t in task_ids}, rho=rho)
+        """A core with a tracker (no offline outcomes: v = 0.5 per task): SPO++'s `EventTimeTracker`
+        ('event_time') or SPO's `SPOTracker` ('arrival', rho from `arrival_rho`), and a `TaskSampler` over
+        `task_ids`, both seeded from `seed`; `group_size` >= 2 turns on group dispatch."""
+        priors = {t: jeffreys_prior([]) for t in task_ids}
+        tracker: ValueTracker
+        if tracker_kind == "event_time":
+            tracker = EventTimeTracker(priors, rho=rho)
+        elif tracker_kind == "arrival":
+            tracker = SPOTracker(priors, rho=arrival_rho)
+        else:
+            raise ValueError(f"unknown tracker {tracker_kind!r}; known: event_time, arrival")
         sampler = TaskSampler(
             list(task_ids),
             tracker,
@@ -114,6 +169,8 @@ class ControllerCore:
             tracker=tracker,
             sampler=sampler,
             seed=seed,
+            group_size=group_size,
+            drift_per_version=drift_per_version,
         )
 
     @classmethod
@@ -130,6 +187,10 @@ class ControllerCore:
             rho=algo.rho,
             sampler_epsilon=algo.sampler_epsilon,
             max_in_flight_per_task=algo.max_in_flight_per_task,
+            tracker_kind=algo.tracker,
+            arrival_rho=SPORho(rho_min=algo.arrival_rho_min, rho_max=algo.arrival_rho_max),
+            drift_per_version=algo.arrival_drift_per_version,
+            group_size=algo.group_size if algo.estimator == "group" else 0,
         )
 
     # ---- dispatch -------------------------------------------------------------------------------
@@ -143,12 +204,28 @@ class ControllerCore:
         return not (batch_barrier and self.admitted % self.batch_size == 0 and self.in_flight)
 
     def dispatch(self) -> EpisodeTicket | None:
-        """Admit one episode if the bound and the per-task in-flight caps allow it."""
+        """Admit one episode if the bound and the per-task in-flight caps allow it; with groups, the next
+        member of the open group goes first (its slot was reserved with the group)."""
+        if self.done:
+            return None
+        if self.open_group is not None:
+            return self._issue(self.groups[self.open_group].task_id, self.open_group)
         if not self.can_dispatch():
             return None
         task_id = self.sampler.acquire()
         if task_id is None:
             return None
+        if not self.group_size:
+            self.admitted += 1
+            return self._issue(task_id, "")
+        group_id = f"g{self.next_group:08d}"
+        self.next_group += 1
+        self.groups[group_id] = Group(task_id, self.rollout_version)
+        self.open_group = group_id
+        self.admitted += self.group_size
+        return self._issue(task_id, group_id)
+
+    def _issue(self, task_id: str, group_id: str) -> EpisodeTicket:
         frozen = self.tracker.dispatch(task_id)
         index = self.next_episode
         ticket = EpisodeTicket(
@@ -159,9 +236,14 @@ class ControllerCore:
             baseline=frozen.baseline,
             seed=(self.seed * 1_000_003 + index) % (2**31),
             dispatch_time=self.clock(),
+            group_id=group_id,
         )
         self.next_episode += 1
-        self.admitted += 1
+        if group_id:
+            group = self.groups[group_id]
+            group.members.append(ticket.episode_id)
+            if len(group.members) == self.group_size:
+                self.open_group = None
         self.in_flight[ticket.episode_id] = ticket
         self._in_flight_by_version[ticket.version] += 1
         self.counts["dispatched"] += 1
@@ -178,20 +260,54 @@ class ControllerCore:
         if not self._in_flight_by_version[ticket.version]:
             del self._in_flight_by_version[ticket.version]
         if trajectory.status == "failed":
-            self.sampler.release(ticket.task_id)
-            self.admitted -= 1  # frees its admission slot; nothing was learned from it
             self.failed[trajectory.failure_cause] += 1
+            if ticket.group_id:
+                self._member_back(ticket.group_id)
+            else:
+                self.sampler.release(ticket.task_id)
+                self.admitted -= 1  # frees its admission slot; nothing was learned from it
             return "failed"
         try:  # refresh before release: a task at its cap then gets its new weight in one tree update
-            self.tracker.observe(ticket.task_id, trajectory.reward, ticket.event)
+            self._fold(ticket, trajectory.reward)
             self.sampler.refresh(ticket.task_id)
         finally:  # the slot is freed even when the tracker refuses the result
-            self.sampler.release(ticket.task_id)
+            if not ticket.group_id:
+                self.sampler.release(ticket.task_id)
+        outcome = "buffered"
         if self.version - ticket.version > self.max_staleness:
             self.dropped["stale"] += 1
-            return "dropped"
-        self.buffer[trajectory.episode_id] = BufferedResult(ticket, trajectory, self.clock())
-        return "buffered"
+            outcome = "dropped"
+        else:
+            self.buffer[trajectory.episode_id] = BufferedResult(ticket, trajectory, self.clock())
+        if ticket.group_id:
+            self._member_back(ticket.group_id)
+        return outcome
+
+    def _fold(self, ticket: EpisodeTicket, reward: float) -> None:
+        """Fold one outcome into the tracker; the arrival tracker gets SPO's drift (module docstring)."""
+        if not isinstance(self.tracker, SPOTracker):
+            self.tracker.observe(ticket.task_id, reward, ticket.event)
+            return
+        last = self.last_fold.get(ticket.task_id)
+        drift = None if last is None else self.drift_per_version * (self.version - last)
+        self.tracker.observe(ticket.task_id, reward, ticket.event, drift=drift)
+        self.last_fold[ticket.task_id] = self.version
+
+    def _member_back(self, group_id: str) -> None:
+        """A member of `group_id` ended; once all are back the group is ready or dropped (docstring)."""
+        group = self.groups[group_id]
+        group.returned += 1
+        if group.returned < self.group_size:
+            return
+        self.sampler.release(group.task_id)
+        survivors = [e for e in group.members if e in self.buffer]
+        if len(survivors) >= MIN_GROUP:
+            return
+        for episode_id in survivors:
+            del self.buffer[episode_id]
+        self.dropped["group_incomplete"] += len(survivors)
+        self.admitted -= self.group_size  # frees the group's slots, as a failure frees its one
+        del self.groups[group_id]
 
     # ---- batches --------------------------------------------------------------------------------
     def waiting_for(self) -> list[str]:
@@ -200,15 +316,46 @@ class ControllerCore:
         return [e for e, t in self.in_flight.items() if t.version <= due]
 
     def _due_in_flight(self) -> bool:
-        """Whether `waiting_for()` is non-empty, in O(versions in flight) instead of O(tickets)."""
+        """Whether `waiting_for()` is non-empty (or, with groups, a due group is not back), in O(versions
+        in flight) instead of O(tickets)."""
         due = self.version - self.max_staleness
+        if any(g.version <= due and not self._ready(g) for g in self.groups.values()):
+            return True
         return any(version <= due for version in self._in_flight_by_version)
+
+    def _ready(self, group: Group) -> bool:
+        return group.returned == self.group_size
+
+    def _group_batch(self) -> list[str] | None:
+        """With groups: the episodes of B / G ready groups, due groups first (None to wait)."""
+        due_version, wanted = self.version - self.max_staleness, self.batch_size // self.group_size
+        ready = [g for g, group in self.groups.items() if self._ready(group)]
+        due = [g for g in ready if self.groups[g].version <= due_version]
+        if len(due) > wanted:
+            raise AssertionError(f"{len(due)} due groups exceed the batch of {wanted}")
+        chosen = (due + [g for g in ready if self.groups[g].version > due_version])[:wanted]
+        if len(chosen) < wanted:
+            return None
+        groups = [self.groups.pop(g) for g in chosen]
+        return [e for group in groups for e in group.members if e in self.buffer]
 
     def next_batch(self) -> Batch | None:
         """The batch of step n = self.version: due results first, then by completion; None to wait. The
         chosen results are in episode order."""
         if self.version >= self.num_steps or self.version in self.training or self._due_in_flight():
             return None
+        chosen = self._group_batch() if self.group_size else self._single_batch()
+        if chosen is None:
+            return None
+        chosen.sort()  # in episode order, not arrival order: the step's sums do not depend on timing
+        results = [self.buffer.pop(e) for e in chosen]
+        self.training[self.version] = chosen
+        for r in results:
+            self.staleness[self.version - r.ticket.version] += 1
+        return Batch(self.version, results)
+
+    def _single_batch(self) -> list[str] | None:
+        """Without groups: B buffered episodes, due ones first (None to wait)."""
         if len(self.buffer) < self.batch_size:
             return None
         due_version = self.version - self.max_staleness
@@ -219,12 +366,7 @@ class ControllerCore:
             return None
         if len(due) > self.batch_size:
             raise AssertionError(f"{len(due)} due trajectories exceed the batch of {self.batch_size}")
-        chosen.sort()  # in episode order, not arrival order: the step's sums do not depend on timing
-        results = [self.buffer.pop(e) for e in chosen]
-        self.training[self.version] = chosen
-        for r in results:
-            self.staleness[self.version - r.ticket.version] += 1
-        return Batch(self.version, results)
+        return chosen
 
     def on_published(self, version: int) -> None:
         """The trainer finished step version-1 and published `version`."""
@@ -250,6 +392,7 @@ class ControllerCore:
         for episode_id in ids:
             del self.buffer[episode_id]
         self.dropped[cause] += len(ids)
+        self.groups = {g: group for g, group in self.groups.items() if not self._ready(group)}
         return ids
 
     def accounting(self) -> dict[str, Any]:
@@ -270,8 +413,9 @@ class ControllerCore:
     # ---- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the run: versions, counters, tickets in flight, buffered results
-        (with their trajectories), the tracker and the sampler (with its RNG). Steps handed to the trainer
-        but not yet published must not exist when a checkpoint is taken (see `quiescent`)."""
+        (with their trajectories), the tracker and the sampler (with its RNG), the groups of the group
+        estimator and the arrival tracker's last folds. Steps handed to the trainer but not yet published
+        must not exist when a checkpoint is taken (see `quiescent`)."""
         if self.training:
             raise RuntimeError(f"checkpoint while steps {sorted(self.training)} are being trained")
         return {
@@ -288,6 +432,10 @@ class ControllerCore:
             "staleness": dict(self.staleness),
             "tracker": self.tracker.state_dict(),
             "sampler": self.sampler.state_dict(),
+            "groups": {g: group.to_list() for g, group in self.groups.items()},
+            "open_group": self.open_group,
+            "next_group": self.next_group,
+            "last_fold": dict(self.last_fold),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -307,6 +455,11 @@ class ControllerCore:
         self.tracker.load_state_dict(state["tracker"])
         self.sampler.load_state_dict(state["sampler"])
         self.sampler.refresh_all()
+        # checkpoints written before groups and the arrival tracker existed have none of these
+        self.groups = {g: Group.from_list(v) for g, v in state.get("groups", {}).items()}
+        self.open_group = state.get("open_group")
+        self.next_group = int(state.get("next_group", 0))
+        self.last_fold = {t: int(v) for t, v in state.get("last_fold", {}).items()}
 
     @property
     def quiescent(self) -> bool:

@@ -1,5 +1,6 @@
 """Controller rank of an RL run: build the controller, resume or start fresh, start the workers, run the
-loop (`controller.loop`), stop every rank (`controller.shutdown`) and write `summary.json`."""
+loop (`controller.loop`), evaluate the final version (when evaluation is on), stop every rank
+(`controller.shutdown`) and write `summary.json`."""
 
 from __future__ import annotations
 
@@ -28,10 +29,14 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
         f"{c.num_steps} steps of {c.batch_size}"
     )
     controller.started = time.monotonic()
+    controller.trace.write("start", num_steps=c.num_steps, batch_size=c.batch_size)
     stopped = loop.run(controller)
+    if not stopped:
+        loop.finish_evaluation(controller)
     summary = shutdown(controller)
     controller.store.close()
     controller.metrics.close()
+    controller.trace.close()
     if stopped:
         ctx.log.info(f"stop requested: checkpointed at version {controller.core.version}; resume to continue")
         return

@@ -4,7 +4,9 @@ Order of a save: the trainers write their part first (CHECKPOINT -> CHECKPOINTED
 then the controller's state and the COMPLETE marker (`controller.checkpoint`), so a checkpoint that a
 reader trusts always holds both parts. A save happens only while no step is with the trainers.
 Resuming restores the core, truncates the HDF5 store and metrics.jsonl back to the checkpoint, and
-queues the tickets that were in flight to be dispatched again, so nothing is counted twice.
+queues the tickets that were in flight to be dispatched again, so nothing is counted twice. Evaluation
+rounds are not part of a checkpoint: their rows of versions >= the checkpoint's go with the truncation,
+and the resumed run evaluates the checkpoint's version again when it is due.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def state_dict(controller: Controller) -> dict[str, Any]:
 def save(controller: Controller) -> Path:
     """Trainers save their part first; the controller's state and the COMPLETE marker come last."""
     ctx = controller.ctx
+    began = time.time()
     path = ckpt.step_dir(ctx.run_dir, controller.core.version)
     path.mkdir(parents=True, exist_ok=True)
     for rank in ctx.ranks["trainer"]:
@@ -62,6 +65,7 @@ def save(controller: Controller) -> Path:
     ckpt.prune(ctx.run_dir, controller.config.controller.keep_checkpoints)
     controller.last_checkpoint = controller.core.version
     controller.last_checkpoint_at = time.monotonic()
+    controller.trace.write("checkpoint", version=controller.core.version, s=round(time.time() - began, 6))
     ctx.log.info(f"checkpoint at version {controller.core.version}: {path}")
     return path
 
@@ -99,6 +103,7 @@ def resume(controller: Controller, path: Path) -> None:
     controller.redispatch = list(core.in_flight.values())
     controller.wall_offset = float(state["wall_s"])
     controller.last_checkpoint = core.version
+    controller.evaluator.resume(core.version)
     controller.ctx.log.info(
         f"resumed from {path}: version {core.version}, {len(controller.redispatch)} trajectories to dispatch again"
     )

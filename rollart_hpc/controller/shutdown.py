@@ -42,7 +42,8 @@ def shutdown(controller: Controller) -> dict[str, Any]:
 
 
 def summary(controller: Controller) -> dict[str, Any]:
-    """summary.json: success by family (first -> last step), trajectory outcomes, staleness, versions
+    """summary.json: success by family (first -> last step), the last evaluation round's row (None
+    without one), trajectory outcomes, staleness, versions
     loaded per rollout rank, busy seconds per rank, engine / reward pool failures and rebuilds per rollout
     and reward rank, wall-clock and whether the accounting balances."""
     acc = controller.core.accounting()
@@ -59,5 +60,6 @@ def summary(controller: Controller) -> dict[str, Any]:
         "failures_and_rebuilds": dict(controller.rebuilds),
         "wall_s": time.monotonic() - controller.started,
         "balanced": controller.core.balanced(),
+        "eval": controller.evaluator.rows[-1] if controller.evaluator.rows else None,
         "accounting": acc,
     }

@@ -4,6 +4,10 @@ Single-threaded (driven by `controller.loop.run`). Messages are folded into the 
 trajectory that arrives is appended to the HDF5 store, and its final status (trained at version n /
 dropped with cause / failed with cause) is marked there. The controller keeps its own record of which
 env rank holds which episode (`env_of`), so a result frees exactly the slot its dispatch took.
+Evaluation episodes (`controller.evaluation`) share the env slots: a RESULT with an evaluation id frees
+its slot and goes to the `Evaluator` only (never to the core or the store). While a round runs it may
+hold up to half of all env slots when training also wants them (all of them when training cannot
+dispatch); in sync mode training dispatch waits for the round (evaluation between steps).
 """
 
 from __future__ import annotations
@@ -19,8 +23,12 @@ from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.contracts.records import EpisodeTicket, RankStats, StepReport, Trajectory
 from rollart_hpc.controller.batching import batch_advantages, batch_stats, shard_batch
 from rollart_hpc.controller.core import ControllerCore
+from rollart_hpc.controller.evaluation import Evaluator
+from rollart_hpc.envs.build import heldout_tasks
+from rollart_hpc.envs.episodes import is_eval_episode
 from rollart_hpc.envs.types import Task
-from rollart_hpc.metrics.run_metrics import MetricsWriter, progress_line
+from rollart_hpc.metrics.run_metrics import MetricsWriter, eval_line, progress_line
+from rollart_hpc.metrics.trace import TraceWriter
 
 if TYPE_CHECKING:
     from rollart_hpc.store.trajectories import TrajectoryStore
@@ -36,7 +44,18 @@ class Controller:
         task_ids = [t.id for t in tasks]
         self.core = ControllerCore.from_config(config.controller, config.algo, task_ids, config.run.seed)
         self.store: TrajectoryStore = TrajectoryStore(ctx.run_dir / "trajectories.h5")
+        c = config.controller
+        heldout = heldout_tasks(config.envs) if c.eval_every_steps else []
+        self.evaluator = Evaluator(
+            tasks,
+            heldout,
+            every_steps=c.eval_every_steps,
+            samples=c.eval_samples,
+            greedy=c.eval_greedy,
+            seed=config.run.seed,
+        )
         self.metrics = MetricsWriter(ctx.run_dir)
+        self.trace = TraceWriter(ctx.run_dir)  # what the scale simulator calibrates on
         self.env_load = dict.fromkeys(ctx.ranks["env"], 0)
         self.env_of: dict[str, int] = {}  # episode id -> the env rank it was dispatched to
         self.loaded = dict.fromkeys(ctx.ranks["rollout"], 0)
@@ -63,6 +82,7 @@ class Controller:
         elif msg.tag == Tag.LOADED:
             self.loaded[msg.source] = int(msg.payload)
             self.loaded_history[msg.source].append(int(msg.payload))
+            self.trace.write("loaded", rank=msg.source, version=int(msg.payload))
             self.update_rollout_version()
         elif msg.tag == Tag.STATS:
             stats: RankStats = msg.payload
@@ -81,10 +101,14 @@ class Controller:
         rank = self.env_of.pop(traj.episode_id, None)
         if rank is not None:
             self.env_load[rank] -= 1
+        if is_eval_episode(traj.episode_id):
+            self.on_eval_result(traj)
+            return
         outcome = self.core.on_result(traj)
         if outcome == "ignored":
             return
         self.store.append([traj], [time.time()])
+        self.trace.result(traj, float(traj.dispatch.get("dispatch_time") or 0.0))
         if outcome == "failed":
             self.store.mark([traj.episode_id], "failed", self.core.version, traj.failure_cause)
         elif outcome == "dropped":
@@ -94,6 +118,7 @@ class Controller:
         step = report.step
         ids = list(self.core.training.get(step, []))
         self.core.on_published(step + 1)
+        self.trace.write("trained", step=step)
         self.update_rollout_version()
         self.store.mark(ids, "trained", step, "")
         self.trainer_busy = False
@@ -124,14 +149,44 @@ class Controller:
         }
 
     # ---- actions --------------------------------------------------------------------------------
-    def dispatch(self) -> None:
+    def on_eval_result(self, traj: Trajectory) -> None:
+        row = self.evaluator.on_result(traj)
+        if row is not None:  # every step trains batch_size trajectories: the count at the version evaluated
+            row["count/trained"] = row["version"] * self.config.controller.batch_size
+            row["wall_s"] = self.wall_s()
+            self.metrics.log(row)
+            self.ctx.log.info(eval_line(row))
+
+    def start_due_eval(self, final: bool = False) -> None:
+        """Start an evaluation round of the version every rollout engine holds, when one is due."""
+        version = self.core.rollout_version
+        ev = self.evaluator
+        if ev.final_due(version) if final else ev.due(version):
+            count = ev.start(version)
+            self.ctx.log.info(f"evaluation of version {version}: {count} episodes")
+
+    def next_ticket(self, training: bool) -> EpisodeTicket | None:
+        """Training tickets (re-dispatched ones first), evaluation tickets when a round runs (see the
+        module docstring for their share of the env slots)."""
+        ev = self.evaluator
+        slots = self.config.envs.num_slots * len(self.env_load)
+        if ev.active and (not training or ev.in_flight < max(1, slots // 2)):
+            ticket = ev.next_ticket()
+            if ticket is not None:
+                return ticket
+        if not training or (ev.active and self.config.controller.mode == "sync"):
+            return None
+        ticket = self.redispatch.pop(0) if self.redispatch else self.core.dispatch()
+        return ticket if ticket is not None else ev.next_ticket()
+
+    def dispatch(self, training: bool = True) -> None:
         """Send tickets to the least-loaded env ranks while admission and env slots allow."""
         capacity = self.config.envs.num_slots
         while True:
             rank = min(self.env_load, key=lambda r: (self.env_load[r], r))
             if self.env_load[rank] >= capacity:
                 return
-            ticket = self.redispatch.pop(0) if self.redispatch else self.core.dispatch()
+            ticket = self.next_ticket(training)
             if ticket is None:
                 return
             self.env_load[rank] += 1
@@ -145,9 +200,12 @@ class Controller:
         batch = self.core.next_batch()
         if batch is None:
             return
-        advantages, diagnostics = batch_advantages(batch, self.config.algo.advantage)
+        advantages, diagnostics = batch_advantages(batch, self.config.algo)
         trainers = self.ctx.ranks["trainer"]
         for rank, shard in zip(trainers, shard_batch(batch, advantages, len(trainers)), strict=True):
             self.ctx.mailbox.send(shard, rank, Tag.BATCH)
         self.pending_row = {**batch_stats(batch), **{f"adv/{k}": v for k, v in diagnostics.items()}}
+        self.trace.write(
+            "batch", step=batch.step, tokens=sum(len(r.trajectory.token_ids) for r in batch.results)
+        )
         self.trainer_busy = True

@@ -25,6 +25,11 @@ ROLE_MAINS: dict[str, str] = {
 
 
 def main(config: Config, world: World, run_dir: Path) -> None:
+    run_roles(config, world, run_dir, ROLE_MAINS)
+
+
+def run_roles(config: Config, world: World, run_dir: Path, role_mains: dict[str, str]) -> None:
+    """Build this rank's RunContext and enter its role's main (a module of `role_mains`)."""
     log = rank_logger(world.role, world.rank, run_dir)
     signals.install()  # idempotent; the worker entry installs it first thing (see cluster/signals.py)
     signals.install_sigterm(config.cluster.sigterm_grace_s)
@@ -32,7 +37,7 @@ def main(config: Config, world: World, run_dir: Path) -> None:
     mailbox = Mailbox(world, watch, config.controller.heartbeat_s)
     ctx = RunContext(config, world, run_dir, log, mailbox)
     try:
-        importlib.import_module(ROLE_MAINS[world.role]).main(config, ctx, run_dir)
+        importlib.import_module(role_mains[world.role]).main(config, ctx, run_dir)
         log.info(f"{world.role} rank {world.rank} done")
     finally:
         mailbox.close()

@@ -28,6 +28,7 @@ from rollart_hpc.contracts.atomic import atomic_write_json
 JOBS: dict[str, str] = {
     "smoke": "rollart_hpc.entry.smoke",
     "rl": "rollart_hpc.entry.rl",
+    "eval": "rollart_hpc.entry.eval_job",
 }
 
 

@@ -1,4 +1,9 @@
-"""The run's env families and tasks, built from the `envs` sub-config of the run config."""
+"""The run's env families and tasks, built from the `envs` sub-config of the run config.
+
+Training tasks (`run_tasks`: what the warm start and the task sampler see) and held-out tasks
+(`heldout_tasks`: evaluation only) are disjoint by construction: each family's `tasks()` never holds
+one of its `heldout_tasks(n)`.
+"""
 
 from __future__ import annotations
 
@@ -28,4 +33,22 @@ def run_tasks(envs: EnvsConfig) -> list[Task]:
     for name, spec in family_specs(envs).items():
         family_tasks = spec.build().tasks()
         tasks.extend(family_tasks[: envs.num_tasks.get(name, len(family_tasks))])
+    return tasks
+
+
+def heldout_tasks(envs: EnvsConfig) -> list[Task]:
+    """The run's held-out evaluation tasks: for each family, its first `envs.heldout_count(family)`."""
+    tasks = []
+    for name, spec in family_specs(envs).items():
+        count = envs.heldout_count(name)
+        if count:
+            tasks.extend(spec.build().heldout_tasks(count))
+    return tasks
+
+
+def playable_tasks(envs: EnvsConfig, heldout: bool) -> dict[str, Task]:
+    """Every task an env rank may be dispatched, by id: each family's tasks, plus the held-out ones when
+    the world evaluates (`heldout`; the held-out household games are only read then)."""
+    tasks = {t.id: t for spec in family_specs(envs).values() for t in spec.build().tasks()}
+    tasks.update((t.id, t) for t in (heldout_tasks(envs) if heldout else []))
     return tasks

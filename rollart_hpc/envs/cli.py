@@ -1,6 +1,6 @@
 """`launch.py envs ...`: prepare the household games, check oracles, play a task at the terminal.
 
-- `envs prepare [--force] [--procs N]`: generate and cache the 128 household games under the data dir.
+- `envs prepare [--force] [--procs N]`: generate and cache the 128 household games (and the 16 held-out ones) under the data dir.
 - `envs check FAMILY [--all]`: play the oracle of each task (a fixed sample without `--all`) through
   the env interface and print `solved N/M`; exit 1 unless every task is solved.
 - `envs play FAMILY TASK_ID`: play one task, one command per stdin line.

@@ -5,7 +5,9 @@ task, OUTPUT resolves the awaiting `generate`, STOP ends the run. Each episode r
 `EnvWorker` (env in a child process, time limits, fault isolation); a finished ok trajectory goes to a
 reward rank (round robin) for scoring, a failed one straight to the controller. On STOP, pending LLM
 requests are answered with finish reason "abort", so in-flight episodes end (failed, cause "abort") and
-are reported: the controller accounts for every ticket.
+are reported: the controller accounts for every ticket. Evaluation tickets (`envs.episodes`) run the
+same way; a greedy one samples every turn at temperature 0, and an evaluation request's seed does not
+depend on the round, so rounds are comparable.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.contracts.records import EpisodeTicket, RankStats, Ready, WorkerStart
 from rollart_hpc.envs.agent_loop import AgentConfig
-from rollart_hpc.envs.build import family_specs
+from rollart_hpc.envs.build import family_specs, playable_tasks
+from rollart_hpc.envs.episodes import is_greedy_episode, seed_key
 from rollart_hpc.envs.types import Task
 from rollart_hpc.envs.worker import EnvWorker, EnvWorkerConfig
 from rollart_hpc.metrics.timeline import Timeline
+from rollart_hpc.rollout.routing import rollout_index
 from rollart_hpc.rollout.types import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -43,15 +47,16 @@ class MPIClient:
         self.futures: dict[str, tuple[asyncio.Future[RequestOutput], int]] = {}
 
     def route(self, request_id: str) -> int:
-        episode = request_id.split("/", 1)[0]
-        return self.rollouts[zlib.crc32(episode.encode()) % len(self.rollouts)]
+        return self.rollouts[rollout_index(request_id, len(self.rollouts))]
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> RequestOutput:
         rank = self.route(request_id)
         # A per-request seed makes a run reproducible whatever the engine batches together.
-        sampling = dataclasses.replace(sampling, seed=zlib.crc32(f"{self.seed}:{request_id}".encode()))
+        sampling = dataclasses.replace(
+            sampling, seed=zlib.crc32(f"{self.seed}:{seed_key(request_id)}".encode())
+        )
         future: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         self.futures[request_id] = (future, rank)
         self.mailbox.send((request_id, prompt_token_ids, sampling), rank, Tag.GENERATE)
@@ -78,6 +83,7 @@ class MPIClient:
 class EnvRank:
     def __init__(self, config: Config, ctx: RunContext, worker: EnvWorker, tasks: dict[str, Task]) -> None:
         self.config, self.ctx, self.worker, self.tasks = config, ctx, worker, tasks
+        self.greedy = dataclasses.replace(worker.agent, temperature=0.0)
         self.client = MPIClient(ctx)
         self.running: set[asyncio.Task[None]] = set()
         self.rewards = itertools.cycle(ctx.ranks["reward"]) if ctx.ranks["reward"] else None
@@ -89,9 +95,10 @@ class EnvRank:
         start = time.perf_counter()
         task = self.tasks[ticket.task_id]
         dispatch = ticket.dispatch_record(self.ctx.world.rank, task.family)
+        agent = self.greedy if is_greedy_episode(ticket.episode_id) else None
         with self.timeline.span():
             traj = await self.worker.run_episode(
-                task, self.client, dispatch=dispatch, episode_id=ticket.episode_id
+                task, self.client, dispatch=dispatch, episode_id=ticket.episode_id, agent=agent
             )
         self.busy_s += time.perf_counter() - start
         if traj.status == "ok" and self.rewards is not None:
@@ -124,7 +131,8 @@ class EnvRank:
 
 async def serve(config: Config, ctx: RunContext, tokenizer: PreTrainedTokenizerBase) -> float:
     specs = family_specs(config.envs)
-    tasks = {t.id: t for spec in specs.values() for t in spec.build().tasks()}
+    evaluates = config.controller.eval_every_steps > 0 or config.run.job == "eval"
+    tasks = playable_tasks(config.envs, heldout=evaluates)
     worker_config = EnvWorkerConfig.from_config(config.envs, config.run.seed)
     agent = AgentConfig.from_config(config.rollout)
     async with EnvWorker(worker_config, agent, tokenizer, specs) as worker:

@@ -206,9 +206,15 @@ class EnvWorker:
         return self.families.get(family) or FamilySpec(family)
 
     async def run_episode(
-        self, task: Task, client: LLMClient, dispatch: dict | None = None, episode_id: str | None = None
+        self,
+        task: Task,
+        client: LLMClient,
+        dispatch: dict | None = None,
+        episode_id: str | None = None,
+        agent: AgentConfig | None = None,
     ) -> Trajectory:
-        """Play one episode; always returns a Trajectory (failed ones carry their cause)."""
+        """Play one episode; always returns a Trajectory (failed ones carry their cause). `agent`
+        replaces the worker's agent settings for this episode (e.g. greedy evaluation)."""
         if self._slots is None:
             raise RuntimeError("EnvWorker.start() was not called")
         eid = episode_id or f"{task.id}#{next(self._ids)}"
@@ -219,7 +225,7 @@ class EnvWorker:
             env = ChildProcessEnv(child, self._spec(task.family), eid, self.cfg)
             try:
                 async with asyncio.timeout(self.cfg.episode_timeout_s):
-                    await run_episode(task, env, client, self.chat, self.agent, traj)
+                    await run_episode(task, env, client, self.chat, agent or self.agent, traj)
             except TimeoutError:
                 fail(traj, "timeout", f"episode exceeded {self.cfg.episode_timeout_s} s")
         finally:

@@ -30,6 +30,7 @@ class RunData:
     rows: list[dict[str, Any]]
     summary: dict[str, Any] | None
     timelines: list[RankTimeline] = field(default_factory=list)
+    eval_rows: list[dict[str, Any]] = field(default_factory=list)  # evaluation rounds, by version
 
     @property
     def num_steps(self) -> int:
@@ -76,7 +77,11 @@ def load_run(run_dir: Path) -> RunData:
     config = tomllib.loads(config_path.read_text(encoding="utf-8"))
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.exists() else None
-    return RunData(run_dir, config, read_rows(run_dir / "metrics.jsonl"), summary, read_timelines(run_dir))
+    # Optimizer steps and evaluation rounds (kind "eval", see run_metrics.is_eval_row) apart.
+    every = read_rows(run_dir / "metrics.jsonl")
+    rows = [r for r in every if r.get("kind") != "eval"]
+    evals = sorted((r for r in every if r.get("kind") == "eval"), key=lambda r: int(r["version"]))
+    return RunData(run_dir, config, rows, summary, read_timelines(run_dir), evals)
 
 
 # ---- derived numbers ------------------------------------------------------------------------------
@@ -242,7 +247,8 @@ def markdown(run: RunData, plots: dict[str, Path], missing: list[str]) -> str:
         f"- state: {state}; steps {len(run.rows)} / {run.num_steps}",
         f"- mode: {c.get('mode')}, max_staleness {staleness}, batch {c.get('batch_size')}",
     ]
-    lines += _throughput_lines(run.rows) + _success_lines(run.rows) + _busy_lines(run)
+    lines += _throughput_lines(run.rows) + _success_lines(run.rows) + _eval_lines(run.eval_rows)
+    lines += _busy_lines(run)
     lines += _summary_lines(run.summary)
     lines += ["", "## Plots", ""] + [f"![{name}]({p.name})" for name, p in plots.items()]
     lines += [f"- not drawn: {m}" for m in missing]
@@ -264,6 +270,19 @@ def _success_lines(rows: list[dict[str, Any]]) -> list[str]:
     for key, label in [("train_success", "all")] + [(f"train_success/{f}", f) for f in families(rows)]:
         vals = [r[key] for r in rows if key in r]
         out.append(f"| {label} | {vals[0]:.3f} | {vals[-1]:.3f} |")
+    return out
+
+
+def _eval_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One table row per evaluation round: success on the training tasks and on the held-out tasks."""
+    if not rows:
+        return []
+    keys = sorted({k for r in rows for k in r if k.endswith("_success") or k.endswith("_success_greedy")})
+    out = ["", "## Evaluation (uniform over tasks)", ""]
+    out += ["| version | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for r in rows:
+        cells = [f"{r[k]:.3f}" if k in r else "" for k in keys]
+        out.append(f"| {r['version']} | " + " | ".join(cells) + " |")
     return out
 
 

@@ -1,4 +1,5 @@
-"""Per-step metrics of a run: `metrics.jsonl` (one JSON row per optimizer step, appended and flushed),
+"""Per-step metrics of a run: `metrics.jsonl` (one JSON row per optimizer step, appended and flushed,
+and one per evaluation round, marked `kind = "eval"` with `step` = the version it evaluated),
 TensorBoard scalars under `tensorboard/`, a console progress line, and the end-of-run summary table.
 
 Only the controller writes these; readers (`launch.py report`, people) may read them while the run goes on.
@@ -41,6 +42,12 @@ class MetricsWriter:
             self._tb.close()
 
 
+def is_eval_row(row: Mapping[str, Any]) -> bool:
+    """A row written by an evaluation round (`kind = "eval"`, `step` = the version it evaluated), not by
+    an optimizer step."""
+    return row.get("kind") == "eval"
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -73,15 +80,30 @@ def progress_line(row: Mapping[str, Any], num_steps: int) -> str:
     )
 
 
+def eval_line(row: Mapping[str, Any]) -> str:
+    """One log line of an evaluation round's row: success per split (and family), episodes, seconds."""
+    parts = []
+    for key in sorted(k for k in row if k.endswith("_success") or "_success/" in k or "_success_" in k):
+        parts.append(f"{key}={row[key]:.2f}")
+    return (
+        f"eval v{row['version']}: {' '.join(parts)} "
+        f"({row['eval_episodes']} episodes, {row['eval_failed']} failed, {row['eval_s']:.0f}s)"
+    )
+
+
 def summary_table(summary: Mapping[str, Any], console: Console | None = None) -> str:
-    """Render the end-of-run summary (success per family, trajectories by status, staleness, time split,
-    failures and rebuilds per rollout and reward rank)."""
+    """Render the end-of-run summary (success per family, the last evaluation round, trajectories by
+    status, staleness, time split, failures and rebuilds per rollout and reward rank)."""
     console = console or Console(record=True, width=100)
     table = Table(title="run summary", show_header=True)
     table.add_column("what")
     table.add_column("value", justify="right")
     for family, value in sorted(summary.get("success_by_family", {}).items()):
         table.add_row(f"train success, {family} (first -> last step)", value)
+    final_eval = summary.get("eval") or {}
+    for key, value in sorted(final_eval.items()):
+        if "_success" in key:
+            table.add_row(f"{key} (version {final_eval['version']})", f"{value:.2f}")
     for status, count in summary.get("trajectories", {}).items():
         table.add_row(f"trajectories {status}", str(count))
     for lag, count in summary.get("staleness", {}).items():

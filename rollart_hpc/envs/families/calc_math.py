@@ -4,7 +4,10 @@ Problem `i` of the canonical set is a pure function of `i` (seeded `random.Rando
 so task ids are stable across processes and `PYTHONHASHSEED`. Problem `i` has `1 + i % 3` operations
 on small numbers (start 2..20, addends 1..20, factors and divisors 2..5, every intermediate a
 non-negative integer <= 200). The difficulty knob `max_ops` keeps only problems with at most that many
-operations; ids do not change.
+operations; ids do not change. Problems `1500 ..` (made the same way) are the held-out split:
+`heldout_tasks(n)` gives the first `n` of them of at most `max_ops` operations whose text differs from
+every canonical problem's; `tasks()`, which the
+warm start and the task sampler draw from, never holds them.
 
 Tool syntax: the model writes `<calc>EXPR</calc>` and observes `= VALUE` (or `error: ...`), and ends
 with `<answer>NUMBER</answer>`; the episode is done after the first answer, reward 1.0 if it equals the
@@ -14,15 +17,18 @@ executes code).
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from typing import Any
 
+from rollart_hpc.config.schema import HELDOUT_MAX
 from rollart_hpc.envs.families.calculator import CalcError, evaluate, format_number
 from rollart_hpc.envs.types import Task
 
 FAMILY = "calc_math"
 NUM_PROBLEMS = 1500
+NUM_HELDOUT = HELDOUT_MAX[FAMILY]  # held-out problems: ids NUM_PROBLEMS .. NUM_PROBLEMS + NUM_HELDOUT - 1
 SYSTEM = "Solve it. Compute with <calc>expression</calc>. Reply <answer>number</answer> at the end."
 STOP = ("</calc>", "</answer>")  # a turn ends with its tool call
 FORMAT_HINT = "error: reply <calc>expression</calc> or <answer>number</answer>"
@@ -45,7 +51,7 @@ def task_id(index: int) -> str:
 
 def parse_task_id(tid: str) -> int:
     prefix, _, number = tid.partition("/")
-    if prefix != FAMILY or not number.isdigit() or not 0 <= int(number) < NUM_PROBLEMS:
+    if prefix != FAMILY or not number.isdigit() or not 0 <= int(number) < NUM_PROBLEMS + NUM_HELDOUT:
         raise KeyError(f"unknown {FAMILY} task id {tid!r}")
     return int(number)
 
@@ -68,6 +74,14 @@ def generate_problem(index: int) -> Problem:
         sentences.append(_sentence(op, n))
     sentences.append(f"How many {item} does {name} have now?")
     return Problem(index, " ".join(sentences), expr, value, num_ops)
+
+
+@functools.cache
+def heldout_ids() -> list[int]:
+    """Held-out problem ids: those from NUM_PROBLEMS on whose text is no canonical problem's text."""
+    seen = {generate_problem(i).text for i in range(NUM_PROBLEMS)}
+    ids = range(NUM_PROBLEMS, NUM_PROBLEMS + NUM_HELDOUT)
+    return [i for i in ids if generate_problem(i).text not in seen]
 
 
 def _pick_op(rng: random.Random, value: int) -> tuple[str, int]:
@@ -163,6 +177,14 @@ class CalcMathFamily:
 
     def tasks(self) -> list[Task]:
         return [self.task(task_id(i)) for i in range(NUM_PROBLEMS) if 1 + i % 3 <= self.max_ops]
+
+    def heldout_tasks(self, count: int) -> list[Task]:
+        """The first `count` held-out problems of at most `max_ops` operations (fewer if fewer exist):
+        never in `tasks()`."""
+        if count < 0:
+            raise ValueError(f"{FAMILY}: {count} held-out problems asked")
+        ids = [i for i in heldout_ids() if 1 + i % 3 <= self.max_ops][:count]
+        return [self.task(task_id(i)) for i in ids]
 
     def task(self, tid: str) -> Task:
         p = generate_problem(parse_task_id(tid))

@@ -155,6 +155,12 @@ class FrozenLakeFamily:
     def tasks(self) -> list[Task]:
         return [self.task(task_id(name)) for name in MAPS]
 
+    def heldout_tasks(self, count: int) -> list[Task]:
+        """frozenlake has no held-out split (its maps are fixed)."""
+        if count:
+            raise ValueError(f"frozenlake has no held-out tasks, {count} asked")
+        return []
+
     def task(self, tid: str) -> Task:
         desc = map_of(tid)
         size = f"{len(desc)}x{len(desc[0])}"

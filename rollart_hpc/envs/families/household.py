@@ -6,7 +6,8 @@ by one line listing the useful admissible commands (`Actions: a | b | ...`; `exa
 than the cookbook and `look` are left out of the list to keep it short, but remain valid). Any text is
 accepted as a command: only its first line is sent to the game, so an inadmissible command leaves the
 state unchanged. Reward is 1.0 when the game is won (the episode ends on the first win or loss).
-The oracle is the game's recorded walkthrough.
+The oracle is the game's recorded walkthrough. `heldout_tasks(n)` are the first `n` held-out games of
+the kept types (evaluation only; `tasks()`, which the warm start and the task sampler draw from, never holds them).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from rollart_hpc.envs.families.household_data import game_path, load_manifest
+from rollart_hpc.envs.families.household_data import NUM_HELDOUT, game_path, is_heldout, load_manifest
 from rollart_hpc.envs.types import Task
 
 FAMILY = "household"
@@ -134,6 +135,7 @@ class HouseholdFamily:
         self.types = tuple(types)
         self.numbered = numbered
         self._games: dict[str, dict[str, Any]] | None = None
+        self._heldout: dict[str, dict[str, Any]] | None = None
         self._numbered_oracle: dict[str, list[str]] = {}
 
     def _manifest(self) -> dict[str, dict[str, Any]]:
@@ -141,12 +143,31 @@ class HouseholdFamily:
             self._games = {task_id(g["index"]): g for g in load_manifest(self.root)}
         return self._games
 
+    def _heldout_manifest(self) -> dict[str, dict[str, Any]]:
+        if self._heldout is None:
+            self._heldout = {task_id(g["index"]): g for g in load_manifest(self.root, heldout=True)}
+        return self._heldout
+
+    def _game(self, tid: str) -> dict[str, Any] | None:
+        index = parse_task_id(tid)
+        return (self._heldout_manifest() if is_heldout(index) else self._manifest()).get(tid)
+
     def tasks(self) -> list[Task]:
         games = self._manifest()
         return [self.task(tid) for tid, g in games.items() if not self.types or g["type"] in self.types]
 
+    def heldout_tasks(self, count: int) -> list[Task]:
+        """The first `count` held-out games of the kept types (fewer if fewer exist): never in `tasks()`."""
+        if not 0 <= count <= NUM_HELDOUT:
+            raise ValueError(f"{FAMILY}: {count} held-out games asked, {NUM_HELDOUT} exist")
+        if count == 0:
+            return []
+        games = self._heldout_manifest().items()
+        kept = [tid for tid, g in games if not self.types or g["type"] in self.types]
+        return [self.task(tid) for tid in kept[:count]]
+
     def task(self, tid: str) -> Task:
-        game = self._manifest().get(tid)
+        game = self._game(tid)
         if game is None:
             raise KeyError(f"unknown {FAMILY} task id {tid!r}")
         tags = (FAMILY, game["type"])
@@ -160,7 +181,7 @@ class HouseholdFamily:
     def oracle(self, tid: str) -> list[str]:
         """The walkthrough; with numbered actions, each command's number in the list shown at that turn."""
         self.task(tid)
-        walkthrough = list(self._manifest()[tid]["walkthrough"])
+        walkthrough = list(self._game(tid)["walkthrough"])  # type: ignore[index]
         if not self.numbered:
             return walkthrough
         if tid not in self._numbered_oracle:

@@ -1,7 +1,8 @@
 """The on-disk cache of household games: where it lives, how it is prepared, how it is read.
 
 Layout: `<data dir>/household/v1/game_XXX.{z8,json,meta.json}`, then `manifest.json` and last the
-`READY` marker. The data dir is `$ROLLART_DATA`, default `<repo root>/data`. Readers trust a cache only
+`READY` marker. The held-out games (ids 128.., seeds no training game uses; evaluation only) have the
+same layout under `<data dir>/household/v1-heldout/`, with a manifest and marker of their own. The data dir is `$ROLLART_DATA`, default `<repo root>/data`. Readers trust a cache only
 when `READY` exists (it is written after the manifest, which is written after every game has been
 generated and its walkthrough replayed to a win), so an interrupted `prepare` is redone, never used.
 
@@ -23,11 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollart_hpc.config.schema import HELDOUT_MAX
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.envs.families.household_gen import NUM_GAMES
 
 CACHE_VERSION = "v1"
 READY = "READY"
+NUM_HELDOUT = HELDOUT_MAX["household"]  # held-out games: ids NUM_GAMES .. NUM_GAMES + NUM_HELDOUT - 1
 
 
 def data_dir() -> Path:
@@ -36,17 +39,22 @@ def data_dir() -> Path:
     return Path(env).resolve() if env else Path(__file__).resolve().parents[3] / "data"
 
 
-def household_dir(root: Path | None = None) -> Path:
-    return (root or data_dir()) / "household" / CACHE_VERSION
+def household_dir(root: Path | None = None, heldout: bool = False) -> Path:
+    """The training games' folder, or with `heldout` the held-out games' folder."""
+    return (root or data_dir()) / "household" / (f"{CACHE_VERSION}-heldout" if heldout else CACHE_VERSION)
 
 
-def is_ready(root: Path | None = None) -> bool:
-    return (household_dir(root) / READY).exists()
+def is_heldout(index: int) -> bool:
+    return index >= NUM_GAMES
 
 
-def load_manifest(root: Path | None = None) -> list[dict[str, Any]]:
+def is_ready(root: Path | None = None, heldout: bool = False) -> bool:
+    return (household_dir(root, heldout) / READY).exists()
+
+
+def load_manifest(root: Path | None = None, heldout: bool = False) -> list[dict[str, Any]]:
     """The manifest records (index, type, seed, objective, walkthrough, sha256), by index."""
-    folder = household_dir(root)
+    folder = household_dir(root, heldout)
     if not (folder / READY).exists():
         raise FileNotFoundError(f"household games are not prepared in {folder}: run `launch.py envs prepare`")
     path = folder / "manifest.json"
@@ -87,29 +95,37 @@ def _check_game(path: Path, position: int, game: object) -> None:
 
 
 def game_path(index: int, root: Path | None = None) -> Path:
-    return household_dir(root) / f"game_{index:03d}.z8"
+    return household_dir(root, is_heldout(index)) / f"game_{index:03d}.z8"
 
 
 def prepare(root: Path | None = None, num_procs: int = 2, force: bool = False, log: Any = print) -> Path:
-    """Generate, verify and index all games unless a READY cache exists; returns the cache folder."""
-    folder = household_dir(root)
-    if is_ready(root) and not force:
+    """Generate, verify and index the training games, then the held-out games, each unless a READY cache
+    of it exists; returns the training cache folder."""
+    folder = _prepare_split(household_dir(root), range(NUM_GAMES), num_procs, force, log)
+    _prepare_split(
+        household_dir(root, True), range(NUM_GAMES, NUM_GAMES + NUM_HELDOUT), num_procs, force, log
+    )
+    return folder
+
+
+def _prepare_split(folder: Path, ids: range, num_procs: int, force: bool, log: Any) -> Path:
+    if (folder / READY).exists() and not force:
         log(f"household games already prepared in {folder}")
         return folder
     (folder / READY).unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    _run_generators(folder, num_procs)
-    log(f"generated {NUM_GAMES} games in {time.monotonic() - started:.0f} s; replaying walkthroughs")
-    games = [_verify(folder, i) for i in range(NUM_GAMES)]
+    _run_generators(folder, ids, num_procs)
+    log(f"generated {len(ids)} games in {time.monotonic() - started:.0f} s; replaying walkthroughs")
+    games = [_verify(folder, i) for i in ids]
     _write_atomic(folder / "manifest.json", json.dumps({"version": CACHE_VERSION, "games": games}, indent=1))
     _write_atomic(folder / READY, f"{len(games)}\n")
     log(f"household cache ready: {folder} ({len(games)} games, {time.monotonic() - started:.0f} s)")
     return folder
 
 
-def _run_generators(folder: Path, num_procs: int) -> None:
-    bounds = [round(k * NUM_GAMES / num_procs) for k in range(num_procs + 1)]
+def _run_generators(folder: Path, ids: range, num_procs: int) -> None:
+    bounds = [ids.start + round(k * len(ids) / num_procs) for k in range(num_procs + 1)]
     tmp_root = Path(tempfile.mkdtemp(prefix="rollart_household_"))
     procs: dict[int, subprocess.Popen[bytes]] = {}
     try:
