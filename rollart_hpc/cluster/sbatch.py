@@ -47,7 +47,7 @@ HETJOB_SCRIPT = "job.sbatch"
 HETJOB_OUTPUT = "slurm-%j.out"
 # run.job -> the file a finished run of that job leaves in its run dir. None: the job has no checkpoints,
 # so a step that exits 0 has finished it (a requeue would only start it over).
-FINISH_MARKERS: dict[str, str | None] = {"rl": "summary.json", "smoke": None}
+FINISH_MARKERS: dict[str, str | None] = {"rl": "summary.json", "smoke": None, "eval": "eval.json"}
 
 
 @dataclass(frozen=True)
@@ -445,3 +445,35 @@ def submitit_resources(component: HetComponent) -> dict[str, Any]:
             value if sep else True
         )
     return params
+
+
+ARRAY_TEMPLATE = "array.sbatch.in"
+ARRAY_OUTPUT = "slurm-array-%A_%a.out"
+
+
+def render_array_job(
+    name: str,
+    sweep_dir: Path,
+    run_dirs: Sequence[Path],
+    component: HetComponent,
+    time_min: int,
+    signal_delay_s: int = 60,
+    template_dir: Path = TEMPLATE_DIR,
+) -> str:
+    """The sbatch script of a job array (`launch.py sweep --slurm`): element i execs the job script of
+    `run_dirs[i]` (`RUN_DIR/job.sbatch`, from `render_job` with this one component), which keeps its
+    traps, restarts and requeue (of that element only: each element has its own SLURM_JOB_ID)."""
+    if not run_dirs:
+        raise ValueError("a job array needs at least one run dir")
+    for path in (sweep_dir, *run_dirs):
+        check_run_dir(path)
+    values = {
+        "JOB_NAME": shlex.quote(name),
+        "OUTPUT": shlex.quote(str(sweep_dir / ARRAY_OUTPUT)),
+        "SIGNAL_DELAY_S": str(signal_delay_s),
+        "TIME_MIN": str(time_min),
+        "LAST_INDEX": str(len(run_dirs) - 1),
+        "COMPONENTS": "\n".join(component_lines((component,))),
+        "RUN_DIRS": "\n".join(f"  {shlex.quote(str(path))}" for path in run_dirs),
+    }
+    return fill_template((template_dir / ARRAY_TEMPLATE).read_text(), values)

@@ -1,0 +1,348 @@
+"""`launch.py compare DIR [--json OUT] [--reference ARM] [--png OUT]`: the arms of a sweep, side by side.
+
+Runs come from `DIR/sweep.json` (`launch.py sweep`), else from every `metrics.jsonl` under DIR (the arm is
+the path of a `seed=<n>` directory's parent). An arm is a grid combination; its runs differ by seed.
+
+Per run, from `metrics.jsonl`: the eval points (evaluation rounds' rows, `kind = "eval"` with
+`eval_success`, at the version they evaluated) and the train points (rows with `train_success`), each
+against the step, the trajectories trained so far (`count/trained`) and `wall_s`. A run without eval rows uses its train_success instead (said in the output). Per run:
+- area: the area under the eval-success curve over steps (trapezoids) divided by the step range, i.e. the
+  mean eval success over the run (the value itself when there is one point);
+- final: the mean eval success of the last `--final-window` eval points (default 1: the last point).
+Per arm: the mean over seeds with a 95% percentile bootstrap interval (seeds resampled with
+replacement, `--resamples` times, numpy RNG seeded by `--bootstrap-seed`), and the paired difference to
+the reference arm (per seed present in both, the same bootstrap over the differences).
+
+Writes `DIR/compare.md` (the table, also printed), a PNG (`--png`, default `DIR/compare.png`: mean ±
+std over seeds of train and eval success against steps, trained trajectories and wall-clock seconds,
+each run interpolated onto a common grid over the range all its arm's runs cover) and with `--json` per
+arm `area_eval_success` and `final_eval_success` (each {mean, ci_low, ci_high, n}) under `arms`. A
+corrupt metrics line is a one-line warning naming the file and line; the run still counts if it has rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollart_hpc.contracts.errors import UsageError
+
+COMPARE_MD = "compare.md"
+COMPARE_PNG = "compare.png"
+GRID_POINTS = 50
+AXES = (("step", "step"), ("trained", "trained trajectories"), ("wall_s", "wall-clock (s)"))
+
+
+@dataclass
+class RunCurves:
+    """One run's success points: each a dict with `step`, `trained`, `wall_s` and `success`."""
+
+    name: str
+    arm: str
+    seed: int
+    train: list[dict[str, float]] = field(default_factory=list)
+    evals: list[dict[str, float]] = field(default_factory=list)
+    eval_from_train: bool = False
+
+    @property
+    def eval_points(self) -> list[dict[str, float]]:
+        return self.evals if self.evals else self.train
+
+
+@dataclass(frozen=True)
+class Interval:
+    mean: float
+    ci_low: float
+    ci_high: float
+    n: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"mean": self.mean, "ci_low": self.ci_low, "ci_high": self.ci_high, "n": self.n}
+
+    def text(self) -> str:
+        return f"{self.mean:.3f} [{self.ci_low:.3f}, {self.ci_high:.3f}]" if self.n else "-"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", help="sweep directory (launch.py sweep --out)")
+    parser.add_argument("--json", help="write per-arm statistics as JSON to this file")
+    parser.add_argument("--reference", help="arm the others are compared with (default: the first arm)")
+    parser.add_argument("--png", help=f"the curves' PNG (default DIR/{COMPARE_PNG})")
+    parser.add_argument(
+        "--final-window", type=int, default=1, help="eval points averaged as final (default 1)"
+    )
+    parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")
+    parser.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap RNG (default 0)")
+
+
+# --- reading ------------------------------------------------------------------------------------------
+
+
+def discover(sweep_dir: Path) -> list[tuple[str, str, int]]:
+    """(run dir relative to DIR, arm, seed) of every run: sweep.json's, else every metrics.jsonl's."""
+    listing = sweep_dir / "sweep.json"
+    if listing.exists():
+        try:
+            rows = json.loads(listing.read_text())["runs"]
+            return [(str(r["run_dir"]), str(r["arm"]), int(r["seed"])) for r in rows]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"{listing}: not a sweep listing ({exc})") from None
+    found = []
+    for index, path in enumerate(sorted(sweep_dir.rglob("metrics.jsonl"))):
+        rel = path.parent.relative_to(sweep_dir)
+        if rel.name.startswith("seed=") and rel.name[5:].lstrip("-").isdigit():
+            found.append((str(rel), str(rel.parent) if str(rel.parent) != "." else "base", int(rel.name[5:])))
+        else:
+            found.append((str(rel), str(rel), index))
+    return found
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The metrics rows of a file; a line that is not a JSON object with a `step` is a warning and skipped."""
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int | float):
+            print(f"warning: {path}:{number}: corrupt metrics line skipped", file=sys.stderr)
+            continue
+        rows.append(row)
+    return rows
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def curves(name: str, arm: str, seed: int, rows: Sequence[dict[str, Any]]) -> RunCurves:
+    """Train and eval points of a run's rows. Trained trajectories are `count/trained` where rows have it,
+    else the running sum of `trained_trajectories`. An eval row (`kind = "eval"`, `step` = the version it
+    evaluated) sits at x = that version; its own `wall_s` and `count/trained` where it has them, else those
+    of the train row that made the version (version 0, before training: 0 and 0 s)."""
+    run = RunCurves(name, arm, seed)
+    at_version: dict[float, dict[str, float]] = {0.0: {"trained": 0.0, "wall_s": 0.0}}
+    total = 0.0
+    train_rows = [r for r in rows if r.get("kind") != "eval"]
+    for row in sorted(train_rows, key=lambda r: float(r["step"])):
+        step = float(row["step"])
+        total += _number(row.get("trained_trajectories")) or 0.0
+        trained = _number(row.get("count/trained"))
+        success = _number(row.get("train_success"))
+        if success is not None:
+            point = {"step": step, "trained": total if trained is None else trained}
+            point["wall_s"] = _number(row.get("wall_s")) or 0.0
+            at_version[_number(row.get("version")) or step + 1] = point
+            run.train.append({**point, "success": success})
+    for row in rows:
+        success = _number(row.get("eval_success"))
+        if success is None:
+            continue
+        version = _number(row.get("version")) or float(row["step"])
+        known = at_version.get(version, {"trained": float("nan"), "wall_s": float("nan")})
+        own = {"trained": _number(row.get("count/trained")), "wall_s": _number(row.get("wall_s"))}
+        point = {k: known[k] if v is None else v for k, v in own.items()}
+        run.evals.append({"step": version, **point, "success": success})
+    run.evals.sort(key=lambda p: p["step"])
+    run.eval_from_train = not run.evals
+    return run
+
+
+def load_runs(sweep_dir: Path) -> list[RunCurves]:
+    if not sweep_dir.is_dir():
+        raise UsageError(f"{sweep_dir} is not a directory")
+    runs = []
+    for rel, arm, seed in discover(sweep_dir):
+        path = sweep_dir / rel / "metrics.jsonl"
+        rows = read_rows(path) if path.exists() else []
+        run = curves(rel, arm, seed, rows)
+        if not run.eval_points:
+            print(f"warning: {path}: no metrics rows; run {rel} left out", file=sys.stderr)
+            continue
+        runs.append(run)
+    if not runs:
+        raise UsageError(
+            f"{sweep_dir}: no run with metrics rows (run `launch.py sweep ... --out {sweep_dir}`)"
+        )
+    return runs
+
+
+# --- statistics ---------------------------------------------------------------------------------------
+
+
+def area(points: Sequence[dict[str, float]]) -> float:
+    """Mean success over the step range: trapezoid area / (last step - first step); one point: its value."""
+    import numpy as np
+
+    steps = np.array([p["step"] for p in points])
+    values = np.array([p["success"] for p in points])
+    if len(points) == 1 or steps[-1] == steps[0]:
+        return float(values.mean())
+    return float(np.trapezoid(values, steps) / (steps[-1] - steps[0]))
+
+
+def final(points: Sequence[dict[str, float]], window: int) -> float:
+    import numpy as np
+
+    return float(np.mean([p["success"] for p in points[-window:]]))
+
+
+def bootstrap(values: Sequence[float], resamples: int, seed: int) -> Interval:
+    """Mean and 95% percentile bootstrap interval of the mean (resampling the values with replacement)."""
+    import numpy as np
+
+    data = np.asarray(values, dtype=float)
+    if data.size == 0:
+        return Interval(float("nan"), float("nan"), float("nan"), 0)
+    rng = np.random.default_rng(seed)
+    means = data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return Interval(float(data.mean()), float(low), float(high), int(data.size))
+
+
+def arm_table(runs: Sequence[RunCurves]) -> dict[str, list[RunCurves]]:
+    arms: dict[str, list[RunCurves]] = {}
+    for run in runs:
+        arms.setdefault(run.arm, []).append(run)
+    return arms
+
+
+def statistics(
+    arms: dict[str, list[RunCurves]], reference: str, window: int, resamples: int, seed: int
+) -> dict[str, dict[str, Any]]:
+    """Per arm: area/final intervals over seeds and paired differences to the reference arm."""
+    per_seed = {
+        arm: {r.seed: (area(r.eval_points), final(r.eval_points, window)) for r in runs}
+        for arm, runs in arms.items()
+    }
+    out: dict[str, dict[str, Any]] = {}
+    for arm, values in per_seed.items():
+        shared = sorted(set(values) & set(per_seed[reference]))
+        stats: dict[str, Any] = {
+            "seeds": sorted(values),
+            "eval_from_train": [r.seed for r in arms[arm] if r.eval_from_train],
+        }
+        for index, key in enumerate(("area_eval_success", "final_eval_success")):
+            stats[key] = bootstrap([v[index] for v in values.values()], resamples, seed).as_dict()
+            diffs = [values[s][index] - per_seed[reference][s][index] for s in shared]
+            stats[f"{key}_diff_vs_reference"] = bootstrap(diffs, resamples, seed).as_dict()
+        out[arm] = stats
+    return out
+
+
+# --- output -------------------------------------------------------------------------------------------
+
+
+def _interval(data: dict[str, Any]) -> str:
+    return Interval(**data).text()
+
+
+def markdown(stats: dict[str, dict[str, Any]], reference: str, window: int, resamples: int) -> str:
+    lines = [
+        "| arm | seeds | area eval success | final eval success | Δ area vs ref | Δ final vs ref |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, s in stats.items():
+        marker = " (ref)" if arm == reference else ""
+        lines.append(
+            f"| {arm}{marker} | {','.join(map(str, s['seeds']))} | {_interval(s['area_eval_success'])} | "
+            f"{_interval(s['final_eval_success'])} | {_interval(s['area_eval_success_diff_vs_reference'])} | "
+            f"{_interval(s['final_eval_success_diff_vs_reference'])} |"
+        )
+    lines += [
+        "",
+        f"Mean over seeds [95% bootstrap interval, {resamples} resamples]. Area: the area under the eval-success "
+        "curve over steps divided by the step range (mean eval success). "
+        f"Final: mean of the last {window} eval point(s). Δ: paired by seed against {reference}.",
+    ]
+    fallback = [f"{arm} seeds {s['eval_from_train']}" for arm, s in stats.items() if s["eval_from_train"]]
+    if fallback:
+        lines.append(f"No eval rows, train_success used instead: {'; '.join(fallback)}.")
+    return "\n".join(lines) + "\n"
+
+
+def mean_std_curve(points: Sequence[Sequence[dict[str, float]]], axis: str) -> tuple[Any, Any, Any] | None:
+    """Each run's success interpolated onto a common grid of `axis`: (grid, mean, std); None if empty."""
+    import numpy as np
+
+    series = []
+    for run_points in points:
+        xs = np.array([p[axis] for p in run_points])
+        ys = np.array([p["success"] for p in run_points])
+        keep = ~np.isnan(xs)
+        if keep.any():
+            series.append((xs[keep], ys[keep]))
+    if not series:
+        return None
+    low, high = max(s[0].min() for s in series), min(s[0].max() for s in series)
+    grid = np.linspace(low, high, GRID_POINTS) if high > low else np.array([low])
+    values = np.stack([np.interp(grid, xs, ys) for xs, ys in series])
+    return grid, values.mean(axis=0), values.std(axis=0)
+
+
+def plot(arms: dict[str, list[RunCurves]], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(AXES), figsize=(5 * len(AXES), 8), squeeze=False)
+    for row, (kind, label) in enumerate((("train", "train success"), ("eval", "eval success"))):
+        for col, (axis, xlabel) in enumerate(AXES):
+            ax = axes[row][col]
+            for arm, runs in arms.items():
+                pts = [r.train if kind == "train" else r.eval_points for r in runs]
+                curve = mean_std_curve(pts, axis)
+                if curve is None:
+                    continue
+                grid, mean, std = curve
+                (line,) = ax.plot(
+                    grid, mean, marker="." if len(grid) == 1 else None, label=f"{arm} (n={len(runs)})"
+                )
+                ax.fill_between(grid, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize="small")
+    fig.suptitle("mean ± std over seeds")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    from rollart_hpc.contracts.atomic import atomic_write_bytes, atomic_write_json
+
+    if args.final_window < 1 or args.resamples < 1:
+        raise UsageError("--final-window and --resamples must be >= 1")
+    sweep_dir = Path(args.dir).resolve()
+    arms = arm_table(load_runs(sweep_dir))
+    reference = args.reference or next(iter(arms))
+    if reference not in arms:
+        raise UsageError(f"--reference {reference!r} is not an arm; arms: {', '.join(arms)}")
+    stats = statistics(arms, reference, args.final_window, args.resamples, args.bootstrap_seed)
+    text = markdown(stats, reference, args.final_window, args.resamples)
+    print(text, end="", flush=True)
+    atomic_write_bytes(sweep_dir / COMPARE_MD, text.encode())
+    png = Path(args.png) if args.png else sweep_dir / COMPARE_PNG
+    plot(arms, png)
+    print(f"wrote {sweep_dir / COMPARE_MD} and {png}", flush=True)
+    if args.json:
+        result = {
+            "reference": reference,
+            "final_window": args.final_window,
+            "resamples": args.resamples,
+            "arms": stats,
+        }
+        atomic_write_json(Path(args.json), result)
+        print(f"wrote {args.json}", flush=True)
+    return 0
