@@ -68,7 +68,7 @@ def test_pool_runs_in_parallel_and_scales_to_zero(monkeypatch: pytest.MonkeyPatc
     )
     scored = asyncio.run(pool.score_many([_traj("frozenlake/4x4", ["up"]) for _ in range(3)]))
     assert [t.reward for t in scored] == [0.5, 0.5, 0.5]
-    assert pool._executor is None  # idle pool shut its executor down
+    assert pool.num_workers == 0 and pool.peak_workers == 3  # idle pool stopped its workers
 
 
 def test_async_judge_is_awaited(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,4 +79,4 @@ def test_async_judge_is_awaited(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(REWARD_FNS, "judge", judge)
     pool = RewardPool(RewardPoolConfig(fn_for_family={"household": "judge"}))
     traj = asyncio.run(pool.score(_traj("household/003", ["look"])))
-    assert (traj.reward, traj.success) == (0.25, True) and pool._executor is None
+    assert (traj.reward, traj.success) == (0.25, True) and pool.peak_workers == 0  # no worker for a judge

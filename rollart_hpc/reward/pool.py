@@ -1,31 +1,47 @@
-"""A reward worker pool: scores finished trajectories concurrently with the stateless reward functions.
+"""An elastic reward worker pool: scores finished trajectories with the stateless reward functions, on
+workers it starts under queue pressure and stops when idle (scale to zero).
 
-Dataflow: `score(traj)` picks the function registered for the trajectory's family (or the override in
-`RewardPoolConfig.fn_for_family`), runs it in the pool's executor (threads or processes, at most
-`num_workers` at once) or awaits it if it is async (an LLM judge), and writes `reward` and `success`
-into the trajectory. Failed trajectories are not scored: they keep reward 0. The executor is created
-on first use and shut down by `close()` (or after the pool has been idle for `idle_shutdown_s`,
-so an idle pool holds no workers); it is recreated on demand.
-Failures: a reward call that raises is retried, up to `max_attempts` calls per trajectory; a broken
-executor (a process worker died: `BrokenExecutor`) is shut down and rebuilt before the retry. A
-trajectory whose calls all failed is returned failed (cause "reward_error", reward 0), never scored by
-a guess. `failures` counts failed calls, `rebuilds` rebuilt executors. `fault_prob` injects failures
-(tests; seeded by `fault_seed`).
-Invariant: each call of `score` returns its trajectory exactly once, scored or failed with a cause.
+Dataflow: `score(traj)` (or `score_input(inp)`, what the reward service calls) picks the function
+registered for the family (or the override in `RewardPoolConfig.fn_for_family`), waits for a free worker
+and runs the function there; an `async` function (an LLM judge) is awaited instead, at most
+`num_workers` at once. `score` writes `reward` and `success` into the trajectory; failed trajectories are
+not scored (reward 0).
+Workers: each worker is a one-slot executor (a thread, or a process forked from a forkserver that has
+the reward functions imported). A request that finds no idle worker waits; a new worker is started (a
+cold start: the process is started and warmed up, its latency recorded) when there is none, or, up to
+`num_workers`, when at least `scale_up_queue` requests wait and draining them would take longer than a
+cold start (moving averages of measured calls and cold starts; a call still running counts with its
+time so far; before anything was measured, the queue decides, one cold start at a time).
+`maybe_scale_down()` (called by its owner's loop) stops every worker idle for `idle_shutdown_s`, so an
+idle pool holds no worker; the next request cold-starts one. The forkserver itself stays up (it is not
+a worker: it holds no reward state and runs no reward call); it and its workers die with the pool's
+process, even a SIGKILLed one (parent-death signal, `worker_boot`).
+Failures: a reward call that raises is retried, up to `max_attempts` calls per trajectory; a worker whose
+process died (`BrokenExecutor`) is dropped (`rebuilds`) and the retry runs on another. A trajectory whose
+calls all failed is returned failed (cause "reward_error", reward 0), never scored by a guess. `failures`
+counts failed calls. `fault_prob` injects failures (tests; seeded by `fault_seed`).
+Accounting (`stats()`): cold starts and their latency, per-worker busy seconds, worker-seconds (time
+workers were alive), peak workers.
+Invariant: each call of `score` returns its trajectory exactly once, scored or failed with a cause; a
+worker runs one call at a time and is stopped only while idle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import itertools
+import multiprocessing
+import os
 import random
 import time
 from concurrent.futures import BrokenExecutor, Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from rollart_hpc.contracts.records import Trajectory
-from rollart_hpc.reward.functions import RewardInput, RewardOutput, reward_fn
+from rollart_hpc.reward.functions import RewardFn, RewardInput, RewardOutput, reward_fn
 
 
 @dataclass(frozen=True)
@@ -33,6 +49,7 @@ class RewardPoolConfig:
     num_workers: int = 2
     executor: Literal["thread", "process"] = "thread"
     idle_shutdown_s: float = 30.0
+    scale_up_queue: int = 1
     fn_for_family: dict[str, str] = field(default_factory=dict)
     max_attempts: int = 3
     fault_prob: float = 0.0
@@ -41,99 +58,273 @@ class RewardPoolConfig:
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or not 0.0 <= self.fault_prob < 1.0:
             raise ValueError(f"max_attempts >= 1 and 0 <= fault_prob < 1 required, got {self}")
+        if self.num_workers < 1 or self.scale_up_queue < 1 or self.idle_shutdown_s < 0:
+            raise ValueError(f"num_workers >= 1, scale_up_queue >= 1, idle_shutdown_s >= 0 required: {self}")
 
 
 class InjectedRewardError(RuntimeError):
     """A reward call failure injected by `RewardPoolConfig.fault_prob` (tests only)."""
 
 
+def _warm_up() -> int:
+    """Run once in a new worker: imports the reward functions so the first real call is warm."""
+    from rollart_hpc.envs.families import calc_math  # noqa: F401
+
+    return 0
+
+
+def _process_context() -> multiprocessing.context.BaseContext:
+    """Workers fork from a forkserver (a fresh interpreter, never a fork of an MPI rank) that has the
+    reward functions imported: a cold start costs a fork, not an interpreter start."""
+    ctx = multiprocessing.get_context("forkserver")
+    preload = [
+        "rollart_hpc.reward.worker_boot",
+        "rollart_hpc.reward.functions",
+        "rollart_hpc.envs.families.calc_math",
+    ]
+    ctx.set_forkserver_preload(preload)
+    return ctx
+
+
+def _worker_init(environ: dict[str, str]) -> None:
+    """In a new process worker: die with the forkserver (which dies with the pool's owner), and take the
+    owner's environment of now, not the forkserver's of its start."""
+    from rollart_hpc.cluster.lifetime import set_parent_death_signal
+
+    set_parent_death_signal()
+    if os.getppid() == 1:  # the forkserver is already gone
+        os._exit(1)
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def _average(mean: float | None, value: float, weight: float = 0.2) -> float:
+    """Exponential moving average (the first value starts it)."""
+    return value if mean is None else (1 - weight) * mean + weight * value
+
+
+@dataclass
+class _Worker:
+    wid: int
+    executor: Executor
+    started: float
+    idle_since: float
+    busy: bool = False
+    busy_since: float = 0.0
+    busy_s: float = 0.0
+
+
 class RewardPool:
     def __init__(self, cfg: RewardPoolConfig | None = None) -> None:
         self.cfg = cfg or RewardPoolConfig()
-        self._executor: Executor | None = None
+        self._workers: list[_Worker] = []
+        self._ids = itertools.count()
+        self._starting = 0
+        self._waiting = 0
+        self._changed: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._sem: asyncio.Semaphore | None = None
         self._inflight = 0
-        self._idle_since = time.monotonic()
         self.num_scored = 0
         self.failures = 0
         self.rebuilds = 0
+        self.cold_starts = 0
+        self.cold_start_s: list[float] = []
+        self.peak_workers = 0
+        self.busy_by_worker: dict[int, float] = {}
+        self._retired_worker_s = 0.0
+        self._call_s: float | None = None  # moving averages of one call and of one cold start
+        self._cold_s = 0.0
         self._fault_rng = random.Random(f"reward-faults:{self.cfg.fault_seed}")
 
-    def _get_executor(self) -> Executor:
-        if self._executor is None:
-            kind = ProcessPoolExecutor if self.cfg.executor == "process" else ThreadPoolExecutor
-            self._executor = kind(max_workers=self.cfg.num_workers)
-        return self._executor
+    @property
+    def num_workers(self) -> int:
+        """Workers alive now (0 when the pool scaled to zero)."""
+        return len(self._workers)
 
     async def score(self, traj: Trajectory) -> Trajectory:
         if traj.status != "ok":
             traj.reward, traj.success = 0.0, False
             return traj
-        fn = reward_fn(self.cfg.fn_for_family.get(traj.family, traj.family))
-        inp = RewardInput.of(traj)
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.cfg.num_workers)
         errors: list[str] = []
-        async with self._sem:
-            self._inflight += 1
-            try:
-                out = await self._call_with_retries(fn, inp, errors)
-            finally:
-                self._inflight -= 1
-                self._idle_since = time.monotonic()
+        out = await self.score_input(RewardInput.of(traj), errors)
         if out is None:
             traj.status, traj.finish_cause = "failed", "reward_error"
             traj.error = f"scoring failed {len(errors)} times: {errors[-1]}"
             traj.reward, traj.success = 0.0, False
             return traj
         traj.reward, traj.success = float(out.reward), bool(out.success)
-        self.num_scored += 1
         return traj
 
+    async def score_input(self, inp: RewardInput, errors: list[str] | None = None) -> RewardOutput | None:
+        """The reward of one input, or None after `max_attempts` failed calls (each named in `errors`)."""
+        errors = [] if errors is None else errors
+        fn = reward_fn(self.cfg.fn_for_family.get(inp.family, inp.family))
+        self._inflight += 1
+        try:
+            out = await self._call_with_retries(fn, inp, errors)
+        finally:
+            self._inflight -= 1
+        if out is not None:
+            self.num_scored += 1
+        return out
+
     async def _call_with_retries(
-        self, fn: object, inp: RewardInput, errors: list[str]
+        self, fn: RewardFn, inp: RewardInput, errors: list[str]
     ) -> RewardOutput | None:
-        """The reward function's output, or None after `max_attempts` failed calls (named in `errors`)."""
         for _ in range(self.cfg.max_attempts):
             try:
                 if self.cfg.fault_prob > 0 and self._fault_rng.random() < self.cfg.fault_prob:
                     raise InjectedRewardError("injected reward failure")
                 return await self._call(fn, inp)
-            except BrokenExecutor as exc:
-                self._drop_broken_executor()
-                errors.append(repr(exc))
-            except Exception as exc:  # a reward function's bug or a lost judge: retried, then failed
+            except Exception as exc:  # a reward function's bug, a dead worker or a lost judge: retried
                 errors.append(repr(exc))
             self.failures += 1
         return None
 
-    def _drop_broken_executor(self) -> None:
-        """Shut a broken executor down without waiting; the next call builds a new one."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
-            self.rebuilds += 1
-
-    async def _call(self, fn: object, inp: RewardInput) -> RewardOutput:
+    async def _call(self, fn: RewardFn, inp: RewardInput) -> RewardOutput:
         if inspect.iscoroutinefunction(fn):
-            return await fn(inp)  # type: ignore[no-any-return]
+            self._event()
+            if self._sem is None:
+                self._sem = asyncio.Semaphore(self.cfg.num_workers)
+            async with self._sem:
+                return await fn(inp)  # type: ignore[no-any-return]
+        worker = await self._acquire()
+        start = time.monotonic()
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(worker.executor, fn, inp)  # type: ignore[arg-type]
+        except BrokenExecutor:
+            self._retire(worker, broken=True)
+            raise
+        finally:
+            self._release(worker, time.monotonic() - start)
+
+    # --- workers ----------------------------------------------------------------------------------------
+
+    def _event(self) -> asyncio.Event:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._get_executor(), fn, inp)  # type: ignore[arg-type]
+        if self._changed is None or self._loop is not loop:  # a pool may outlive one event loop (tests)
+            self._changed, self._loop, self._sem = asyncio.Event(), loop, None
+        return self._changed
+
+    async def _acquire(self) -> _Worker:
+        """An idle worker, marked busy; starts one when the scaling rule says so, else waits."""
+        self._waiting += 1
+        try:
+            while True:
+                for worker in self._workers:
+                    if not worker.busy:
+                        worker.busy, worker.busy_since = True, time.monotonic()
+                        return worker
+                if self._should_start():
+                    await self._start_worker()
+                    continue
+                event = self._event()
+                event.clear()
+                with contextlib.suppress(TimeoutError):  # re-check the rule while calls run long
+                    await asyncio.wait_for(event.wait(), timeout=0.05)
+        finally:
+            self._waiting -= 1
+
+    def _should_start(self) -> bool:
+        """Start a worker when there is none; else when `scale_up_queue` requests wait (beyond those a
+        starting worker will take) and the queue would take the workers longer to drain than a cold
+        start takes (both measured; no second worker before one call and one cold start were timed)."""
+        alive = len(self._workers) + self._starting
+        if alive >= self.cfg.num_workers:
+            return False
+        if alive == 0:
+            return True
+        queued = self._waiting - self._starting
+        if queued < self.cfg.scale_up_queue:
+            return False
+        if self._call_s is None or not self.cold_start_s:
+            return self._starting == 0  # nothing measured yet: one cold start at a time
+        now = time.monotonic()
+        running = max((now - w.busy_since for w in self._workers if w.busy), default=0.0)
+        return queued * max(self._call_s, running) / alive > self._cold_s
+
+    async def _start_worker(self) -> None:
+        """A cold start: build a one-slot executor and run the warm-up call in it (latency recorded)."""
+        self._starting += 1
+        start = time.monotonic()
+        try:
+            executor: Executor
+            if self.cfg.executor == "process":
+                executor = ProcessPoolExecutor(
+                    1, mp_context=_process_context(), initializer=_worker_init, initargs=(dict(os.environ),)
+                )
+            else:
+                executor = ThreadPoolExecutor(1)
+            await asyncio.get_running_loop().run_in_executor(executor, _warm_up)
+        finally:
+            self._starting -= 1
+        now = time.monotonic()
+        self.cold_starts += 1
+        self.cold_start_s.append(now - start)
+        self._cold_s = _average(self._cold_s if self.cold_starts > 1 else None, now - start)
+        self._workers.append(_Worker(next(self._ids), executor, start, now))
+        self.peak_workers = max(self.peak_workers, len(self._workers))
+        self._event().set()
+
+    def _release(self, worker: _Worker, busy_s: float) -> None:
+        worker.busy, worker.idle_since = False, time.monotonic()
+        self._call_s = _average(self._call_s, busy_s)
+        worker.busy_s += busy_s
+        self.busy_by_worker[worker.wid] = worker.busy_s
+        self._event().set()
+
+    def _retire(self, worker: _Worker, broken: bool = False) -> None:
+        """Stop one worker (a broken one without waiting) and count its alive seconds."""
+        if worker in self._workers:
+            self._workers.remove(worker)
+            self._retired_worker_s += time.monotonic() - worker.started
+            worker.executor.shutdown(wait=not broken, cancel_futures=broken)
+            self.rebuilds += int(broken)
 
     async def score_many(self, trajs: list[Trajectory]) -> list[Trajectory]:
         out = list(await asyncio.gather(*(self.score(t) for t in trajs)))
         self.maybe_scale_down()
         return out
 
-    def maybe_scale_down(self) -> bool:
-        """Shut the executor down if nothing ran for `idle_shutdown_s`; True if it did."""
-        idle = time.monotonic() - self._idle_since
-        if self._executor is not None and self._inflight == 0 and idle >= self.cfg.idle_shutdown_s:
-            self.close()
-            return True
-        return False
+    def maybe_scale_down(self) -> int:
+        """Stop every worker idle for `idle_shutdown_s`; the number stopped."""
+        now = time.monotonic()
+        idle = [w for w in self._workers if not w.busy and now - w.idle_since >= self.cfg.idle_shutdown_s]
+        for worker in idle:
+            self._retire(worker)
+        return len(idle)
+
+    def worker_seconds(self) -> float:
+        """Seconds workers were alive, summed over workers (stopped ones and live ones up to now)."""
+        now = time.monotonic()
+        return self._retired_worker_s + sum(now - w.started for w in self._workers)
+
+    def stats(self) -> dict[str, Any]:
+        busy = sum(self.busy_by_worker.values())
+        alive = self.worker_seconds()
+        return {
+            "scored": self.num_scored,
+            "failures": self.failures,
+            "rebuilds": self.rebuilds,
+            "workers_now": self.num_workers,
+            "peak_workers": self.peak_workers,
+            "cold_starts": self.cold_starts,
+            "cold_start_s_mean": sum(self.cold_start_s) / len(self.cold_start_s)
+            if self.cold_start_s
+            else 0.0,
+            "cold_start_s_max": max(self.cold_start_s, default=0.0),
+            "worker_busy_s": {str(k): round(v, 6) for k, v in self.busy_by_worker.items()},
+            "busy_s": busy,
+            "worker_s": alive,
+            "utilisation": busy / alive if alive > 0 else 0.0,
+        }
+
+    def rank_counts(self) -> tuple[int, int]:
+        """(failed reward calls, rebuilt workers), what a reward rank reports in its STATS."""
+        return self.failures, self.rebuilds
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        for worker in list(self._workers):
+            self._retire(worker)
