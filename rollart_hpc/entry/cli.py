@@ -18,12 +18,23 @@ from rollart_hpc.contracts.errors import UsageError
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("rollart_hpc.entry.launcher", "run a config locally as one MPI world (mpiexec)"),
     "resume": ("rollart_hpc.entry.resume", "restart a local run from its last checkpoint"),
+    "eval": ("rollart_hpc.entry.evaluate", "evaluate a run's checkpoint on its tasks and held-out tasks"),
     "submit": (
         "rollart_hpc.entry.submit",
         "submit a config to SLURM (hetjob across partitions, else submitit)",
     ),
+    "sweep": ("rollart_hpc.entry.sweep", "a grid of runs over seeds, locally or as one SLURM job array"),
+    "compare": ("rollart_hpc.entry.compare", "curves and bootstrap intervals of a sweep's arms"),
+    "simulate": (
+        "rollart_hpc.entry.simulate",
+        "calibrate the scale simulator on a run, validate it, project sizes",
+    ),
     "chaos": ("rollart_hpc.entry.chaos", "inject faults into local runs and check their recovery"),
     "bench": ("rollart_hpc.bench.cli", "benchmarks that write JSON"),
+    "reward-service": (
+        "rollart_hpc.entry.reward_service",
+        "a standalone elastic reward service for many runs",
+    ),
     "report": ("rollart_hpc.metrics.report", "plots and a markdown summary of a run directory"),
     "model": ("rollart_hpc.models.cli", "import or create policy models"),
     "envs": ("rollart_hpc.envs.cli", "prepare, check or play environment tasks"),
