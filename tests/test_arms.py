@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from core_driving import finish, run_to_end
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +15,7 @@ from rollart_hpc.algo.tracker import EventTimeTracker, SPORho, SPOTracker
 from rollart_hpc.config.loader import build, to_dict
 from rollart_hpc.config.schema import AlgoConfig, Config, ControllerConfig
 from rollart_hpc.contracts.errors import UsageError
-from rollart_hpc.contracts.records import EpisodeTicket, Trajectory
+from rollart_hpc.contracts.records import EpisodeTicket
 from rollart_hpc.controller.batching import batch_advantages
 from rollart_hpc.controller.core import ControllerCore
 
@@ -26,17 +27,6 @@ def make_core(algo: AlgoConfig, mode="async", batch=4, steps=4, seed=0, tasks=TA
     core = ControllerCore.from_config(controller, algo, tasks, seed)
     core.clock = lambda: 0.0
     return core
-
-
-def finish(ticket, version, failed=False, reward=1.0, n_action=1):
-    traj = Trajectory(task_id=ticket.task_id, family="f", tags=(), episode_id=ticket.episode_id)
-    traj.append([1, 2], False, [], [])
-    traj.append([3] * n_action, True, [-0.5] * n_action, [version] * n_action)
-    if failed:
-        traj.status, traj.finish_cause = "failed", "crash"
-    else:
-        traj.reward, traj.success, traj.finish_cause = reward, reward > 0, "done"
-    return traj
 
 
 def build_config(algo: dict, batch_size: int = 4) -> Config:
@@ -361,16 +351,5 @@ def test_group_interleavings_keep_invariants(ops, mode, size_and_groups, seed, c
         assert core.admitted <= core.admission_limit()
         assert all(core.sampler.in_flight(t) <= cap for t in TASKS)
     assert not core.dropped.get("stale")
-    for _ in range(300):  # liveness: finishing everything in flight lets the run reach its last step
-        if core.done:
-            break
-        core.on_rollout_version(core.version)
-        while core.dispatch() is not None:
-            pass
-        for ticket in list(core.in_flight.values()):
-            core.on_result(finish(ticket, core.rollout_version))
-        b = core.next_batch()
-        if b is not None:
-            core.on_published(b.step + 1)
-    assert core.done and core.balanced()
+    run_to_end(core, 300)  # liveness: finishing everything in flight lets the run reach its last step
     assert not core.in_flight and core.open_group is None

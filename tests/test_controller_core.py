@@ -4,12 +4,12 @@ Pins invariants 1-3 of the `rollart_hpc/controller/core.py` docstring.
 """
 
 import pytest
+from core_driving import finish, run_to_end
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollart_hpc.algo.sampler import TaskSampler
 from rollart_hpc.algo.tracker import EventTimeTracker
-from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.controller.core import ControllerCore
 
 TASKS = [f"t{i}" for i in range(6)]
@@ -28,17 +28,6 @@ def make_core(mode="async", s=1, batch=3, steps=4, cap=1, seed=0):
         seed=seed,
         clock=lambda: 0.0,
     )
-
-
-def finish(ticket, version, failed=False, reward=1.0):
-    traj = Trajectory(task_id=ticket.task_id, family="f", tags=(), episode_id=ticket.episode_id)
-    traj.append([1, 2], False, [], [])
-    traj.append([3], True, [-0.5], [version])
-    if failed:
-        traj.status, traj.finish_cause = "failed", "crash"
-    else:
-        traj.reward, traj.success, traj.finish_cause = reward, reward > 0, "done"
-    return traj
 
 
 def test_admission_bound_and_batch_barrier_sync():
@@ -127,19 +116,7 @@ def test_random_interleavings_keep_invariants(ops, s, mode, batch, seed):
         assert core.balanced()
         assert core.admitted <= core.admission_limit()
     assert not core.dropped.get("stale")
-    # liveness: finishing everything in flight always lets the run reach its last step
-    for _ in range(200):
-        if core.done:
-            break
-        core.on_rollout_version(core.version)
-        while core.dispatch() is not None:
-            pass
-        for ticket in list(core.in_flight.values()):
-            core.on_result(finish(ticket, core.rollout_version))
-        b = core.next_batch()
-        if b is not None:
-            core.on_published(b.step + 1)
-    assert core.done and core.balanced()
+    run_to_end(core, 200)  # liveness: finishing everything in flight always lets the run reach its last step
 
 
 def test_baseline_frozen_at_dispatch():

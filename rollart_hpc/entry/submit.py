@@ -44,6 +44,7 @@ from rollart_hpc.contracts.errors import UsageError
 if TYPE_CHECKING:
     from rollart_hpc.cluster.plan import RunPlan
     from rollart_hpc.cluster.sbatch import HetComponent, JobSpec
+    from rollart_hpc.config.schema import Config
 
 JOB_RECORD = "slurm_job.json"
 SBATCH_TIMEOUT_S = 60.0
@@ -122,9 +123,23 @@ def requeue_after_stop(run_dir: Path, max_requeues: int) -> None:
     raise SystemExit(0)
 
 
+def job_spec(config: Config, run_dir: Path, time_min: int, max_requeues: int) -> JobSpec:
+    """The job of one run of `config` in `run_dir` (restarts and finish marker from the config)."""
+    from rollart_hpc.cluster.sbatch import JobSpec
+
+    return JobSpec(
+        config.run.name,
+        run_dir,
+        time_min,
+        max_requeues,
+        max_restarts=config.cluster.max_restarts,
+        job=config.run.job,
+    )
+
+
 def main(args: argparse.Namespace) -> int:
     from rollart_hpc.cluster.plan import make_plan
-    from rollart_hpc.cluster.sbatch import JobSpec, check_run_dir, plan_partitions
+    from rollart_hpc.cluster.sbatch import check_run_dir, plan_partitions
     from rollart_hpc.config import load_config
 
     config = load_config(args.config, args.overrides)
@@ -132,14 +147,7 @@ def main(args: argparse.Namespace) -> int:
     check_options(args)
     run_dir = Path(args.run_dir or f"runs/{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     check_run_dir(run_dir)
-    spec = JobSpec(
-        config.run.name,
-        run_dir,
-        args.time_min,
-        args.max_requeues,
-        max_restarts=config.cluster.max_restarts,
-        job=config.run.job,
-    )
+    spec = job_spec(config, run_dir, args.time_min, args.max_requeues)
     if len(plan_partitions(plan)) > 1:
         if args.nodes != 1:
             raise UsageError(

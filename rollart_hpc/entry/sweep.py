@@ -371,7 +371,6 @@ def submit_array(
     """Prepare every run dir with its single-component job script, then sbatch one array over them."""
     from rollart_hpc.cluster.plan import make_plan
     from rollart_hpc.cluster.sbatch import (
-        JobSpec,
         check_gpus_fit,
         check_single_fit,
         render_array_job,
@@ -396,14 +395,7 @@ def submit_array(
     specs = {}
     for run in todo:
         config, run_dir = configs[run.name], out / run.name
-        spec = JobSpec(
-            config.run.name,
-            run_dir,
-            args.time_min,
-            args.max_requeues,
-            max_restarts=config.cluster.max_restarts,
-            job=config.run.job,
-        )
+        spec = submit.job_spec(config, run_dir, args.time_min, args.max_requeues)
         if states[run.name] == RESUME:
             restarts.check_resumable_run(run_dir, config)
         submit.prepare_run_dir(config, run_dir)  # the same config (resolve_runs checked it); drops failures/

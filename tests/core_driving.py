@@ -1,0 +1,32 @@
+"""Driving a `ControllerCore` by hand in tests: results for its tickets, and running a run to its end."""
+
+from rollart_hpc.contracts.records import Trajectory
+from rollart_hpc.controller.core import ControllerCore
+
+
+def finish(ticket, version, failed=False, reward=1.0, n_action=1):
+    """The trajectory of `ticket`: two prompt tokens and `n_action` tokens generated at `version`."""
+    traj = Trajectory(task_id=ticket.task_id, family="f", tags=(), episode_id=ticket.episode_id)
+    traj.append([1, 2], False, [], [])
+    traj.append([3] * n_action, True, [-0.5] * n_action, [version] * n_action)
+    if failed:
+        traj.status, traj.finish_cause = "failed", "crash"
+    else:
+        traj.reward, traj.success, traj.finish_cause = reward, reward > 0, "done"
+    return traj
+
+
+def run_to_end(core: ControllerCore, rounds: int) -> None:
+    """Liveness: load every version, dispatch, finish everything in flight and train, until the last step."""
+    for _ in range(rounds):
+        if core.done:
+            break
+        core.on_rollout_version(core.version)
+        while core.dispatch() is not None:
+            pass
+        for ticket in list(core.in_flight.values()):
+            core.on_result(finish(ticket, core.rollout_version))
+        b = core.next_batch()
+        if b is not None:
+            core.on_published(b.step + 1)
+    assert core.done and core.balanced()
