@@ -477,3 +477,46 @@ def render_array_job(
         "RUN_DIRS": "\n".join(f"  {shlex.quote(str(path))}" for path in run_dirs),
     }
     return fill_template((template_dir / ARRAY_TEMPLATE).read_text(), values)
+
+
+SERVICE_TEMPLATE = "reward_service.sbatch.in"
+SERVICE_SCRIPT = "reward_service.sbatch"
+SERVICE_OUTPUT = "slurm-%j.out"
+
+
+@dataclass(frozen=True)
+class ServiceJob:
+    """The reward service's own job (`launch.py reward-service --slurm`): one task on `partition` ('' =
+    the default) that runs the service for `config` + `overrides` in `service_dir` (absolute) until it
+    has been idle `idle_exit_s` (0: until stopped) or the time limit."""
+
+    config: Path
+    overrides: tuple[str, ...]
+    service_dir: Path
+    time_min: int
+    idle_exit_s: float
+    partition: str = ""
+    name: str = "reward-service"
+    python: str = field(default_factory=lambda: sys.executable)
+    launch: Path = REPO_ROOT / "launch.py"
+
+
+def render_service_job(job: ServiceJob, template_dir: Path = TEMPLATE_DIR) -> str:
+    """The sbatch script of the reward service's job; every user value is shell-quoted."""
+    check_run_dir(job.service_dir)
+    resources = (
+        f"#SBATCH --partition={shlex.quote(job.partition)}" if job.partition else "# default partition"
+    )
+    values = {
+        "JOB_NAME": shlex.quote(job.name),
+        "OUTPUT": shlex.quote(str(job.service_dir / SERVICE_OUTPUT)),
+        "TIME_MIN": str(job.time_min),
+        "RESOURCES": resources,
+        "PYTHON": shlex.quote(job.python),
+        "LAUNCH": shlex.quote(str(job.launch)),
+        "CONFIG": shlex.quote(str(job.config)),
+        "OVERRIDES": "".join(f"{shlex.quote(o)} " for o in job.overrides),
+        "SERVICE_DIR": shlex.quote(str(job.service_dir)),
+        "IDLE_EXIT_S": f"{job.idle_exit_s:g}",
+    }
+    return fill_template((template_dir / SERVICE_TEMPLATE).read_text(), values)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from rollart_hpc.config.choices import (
@@ -415,6 +416,19 @@ class RewardConfig:
     service_max_request_bytes: int = doc_field(
         1 << 20, "Reward service: a larger request is refused with an error reply."
     )
+    judge_model: str = doc_field(
+        "",
+        "Reward service: HF model dir of an LLM judge, served by the built-in engine inside the service "
+        "(batching the judge requests of all clients). '' = no judge. A run without a service refuses it.",
+    )
+    judge_families: list[str] = doc_field(
+        [], "Reward service: families scored by the judge instead of their rule-based reward."
+    )
+    judge_max_new_tokens: int = doc_field(32, "Most tokens the judge generates for one answer.")
+    judge_temperature: float = doc_field(
+        0.0, "Judge sampling temperature: 0 = greedy; above 0 each request is seeded from its input."
+    )
+    judge_num_slots: int = doc_field(16, "Judge engine slots: most judge requests decoded in one batch.")
 
     def validate(self, path: str) -> None:
         if self.max_score_attempts < 1:
@@ -431,6 +445,19 @@ class RewardConfig:
             raise UsageError(f"{path}: 0 < service_timeout_s <= service_deadline_s required")
         if self.service_quota < 1 or self.service_max_request_bytes < 1024:
             raise UsageError(f"{path}: service_quota >= 1 and service_max_request_bytes >= 1024 required")
+        self._validate_judge(path)
+
+    def _validate_judge(self, path: str) -> None:
+        if self.judge_families and not self.judge_model:
+            raise UsageError(f"{path}.judge_families: needs {path}.judge_model (an HF model dir)")
+        if self.judge_model and not self.judge_families:
+            raise UsageError(f"{path}.judge_model: set {path}.judge_families (the families it scores)")
+        if self.judge_model and not (Path(self.judge_model) / "config.json").is_file():
+            raise UsageError(f"{path}.judge_model: {self.judge_model!r} is not a model dir (no config.json)")
+        if self.judge_max_new_tokens < 1 or self.judge_num_slots < 1 or self.judge_temperature < 0:
+            raise UsageError(
+                f"{path}: judge_max_new_tokens >= 1, judge_num_slots >= 1, judge_temperature >= 0"
+            )
 
     @property
     def uses_service(self) -> bool:
@@ -443,6 +470,11 @@ class RewardConfig:
             raise UsageError(
                 "roles.reward.num_ranks: must be >= 1 (0 would train unscored trajectories); "
                 "to score in a shared reward service set reward.service and keep >= 1 client rank"
+            )
+        if self.judge_model and not self.uses_service:
+            raise UsageError(
+                "reward.judge_model: judge rewards need reward.service / reward.service_dir "
+                "(the judge engine runs in the reward service)"
             )
 
 

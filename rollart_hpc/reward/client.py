@@ -8,6 +8,11 @@ endpoint is read again (a restarted service may listen elsewhere, with a new tok
 sent again. A refusal that may pass later (quota full; a token that a restart rotated) is retried after
 a backoff. Past `service_deadline_s` the trajectory is returned failed, cause "reward_unavailable";
 a request the service refused for good, or could not score, is returned failed, cause "reward_error".
+Start on demand: with `service_dir` holding a `launch.json` (`launch.py reward-service --slurm`), a
+client that finds no address file, or gets no reply within an attempt's timeout, calls
+`ondemand.ensure_started` (at most once per `service_timeout_s`, in a thread: squeue and sbatch block),
+which resubmits the service's job unless one is pending or running; the client then waits for the address
+file within its normal retries and deadline.
 Invariant: each call of `score` returns its trajectory exactly once, scored or failed with a cause;
 never trained unscored.
 """
@@ -17,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -25,6 +32,7 @@ import zmq.asyncio
 
 from rollart_hpc.config.schema import RewardConfig
 from rollart_hpc.contracts.records import Trajectory
+from rollart_hpc.reward import ondemand
 from rollart_hpc.reward.functions import RewardInput
 from rollart_hpc.reward.wire import encode, input_to_dict, read_endpoint
 
@@ -54,8 +62,11 @@ class ServiceClient:
             "refused": 0,
             "unavailable": 0,
             "errors": 0,
+            "starts": 0,
         }
         self.reply_s: list[float] = []
+        self.start_error = ""
+        self._next_start_check = 0.0
 
     # --- connection -----------------------------------------------------------------------------------
 
@@ -64,6 +75,7 @@ class ServiceClient:
         try:
             address, token = read_endpoint(self.cfg.service, self.cfg.service_dir)
         except (OSError, ValueError, KeyError):
+            self._close_socket()  # gone (an idle exit removes the address): wait for a new one
             return False
         self.token = token
         if address != self.address or self.sock is None:
@@ -129,6 +141,7 @@ class ServiceClient:
             attempt += 1
             reply = await self._attempt(rid, inp, wait) if self._connect() else None
             if reply is None:
+                await self._start_on_demand()
                 if self.sock is None:  # no endpoint yet: the service is (re)starting
                     await asyncio.sleep(min(0.05 * 2**attempt, 1.0, max(remaining, 0.0)))
                 continue
@@ -145,6 +158,19 @@ class ServiceClient:
         self.counts["unavailable"] += 1
         error = f"no reply from the reward service at {self.address or '?'} within {self.cfg.service_deadline_s:g}s"
         return {"id": rid, "status": "unavailable", "error": f"{error} ({attempt} attempts)"}
+
+    async def _start_on_demand(self) -> None:
+        """Resubmit the service's job when it can be started on demand (see the module docstring)."""
+        folder = Path(self.cfg.service_dir) if self.cfg.service_dir else None
+        if folder is None or time.monotonic() < self._next_start_check or not ondemand.can_start(folder):
+            return
+        self._next_start_check = time.monotonic() + self.cfg.service_timeout_s
+        try:
+            job_id = await asyncio.to_thread(ondemand.ensure_started, folder, self.client)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            self.start_error = str(exc)  # tried again at the next check; the deadline bounds the wait
+            return
+        self.counts["starts"] += int(job_id is not None)
 
     async def _attempt(self, rid: str, inp: dict[str, Any], wait: float) -> dict[str, Any] | None:
         assert self.sock is not None

@@ -6,8 +6,11 @@ naming the problem, so a bad client never affects the others; a good one goes to
 (cached result, quota refusal, or queued). The dispatch loop takes requests round robin over clients
 while fewer than `admit` are being scored and scores each in the elastic `RewardPool` (workers start
 under load and stop when idle, so an idle service holds no worker); the reply goes to every peer that
-sent that id. Every reply of a scored request is appended to the results journal in the service dir
-first, so a restarted service answers a retried request from it instead of scoring it again.
+sent that id. A request of a judge family (`reward.judge_families`) is scored by the service's LLM judge
+instead (`rollart_hpc.reward.judge`): one built-in engine that batches the judge requests of all
+clients; `admit` then also counts the judge's slots. Every reply of a scored request is appended to the
+results journal in the service dir first, so a restarted service answers a retried request from it
+instead of scoring it again.
 Who waits on whom: nothing blocks the loop (zmq.asyncio); reward calls run in the pool's workers.
 Invariant: each (client, id) is scored at most once (see scheduler); every well-formed request gets
 exactly one reply per send; stats.json (written atomically each `stats_every_s`) and the address file
@@ -31,6 +34,7 @@ import zmq.asyncio
 from rollart_hpc.config.schema import RewardConfig
 from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.reward.functions import RewardInput
+from rollart_hpc.reward.judge import Judge, JudgeResult
 from rollart_hpc.reward.pool import RewardPool, RewardPoolConfig
 from rollart_hpc.reward.scheduler import FairScheduler, Key
 from rollart_hpc.reward.wire import (
@@ -58,11 +62,20 @@ def pool_config(cfg: RewardConfig, seed: int = 0) -> RewardPoolConfig:
 
 
 class RewardService:
-    def __init__(self, cfg: RewardConfig, service_dir: Path, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: RewardConfig,
+        service_dir: Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        idle_exit_s: float = 0.0,
+    ) -> None:
         self.cfg, self.dir = cfg, service_dir
+        self.idle_exit_s = idle_exit_s  # > 0: stop after this long with no request and no work
         self.pool = RewardPool(pool_config(cfg))
+        self.judge = make_judge(cfg)
         self.sched = FairScheduler(quota=cfg.service_quota)
-        self.admit = cfg.max_workers + cfg.scale_up_queue - 1
+        self.admit = cfg.max_workers + cfg.scale_up_queue - 1 + (cfg.judge_num_slots if self.judge else 0)
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -76,7 +89,7 @@ class RewardService:
         self._load_journal()
         self._journal = (self.dir / RESULTS_FILE).open("a")
         self.token = write_service_files(self.dir, self.address)
-        self.started = time.monotonic()
+        self.started = self.last_busy = time.monotonic()
         self.bad_requests = 0
         self.scoring: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -121,6 +134,7 @@ class RewardService:
 
     def handle(self, peer: Hashable, frame: bytes) -> dict[str, Any] | None:
         """The immediate reply to one request, or None when it was queued for scoring."""
+        self.last_busy = time.monotonic()
         msg = decode(frame, self.cfg.service_max_request_bytes)
         if not hmac.compare_digest(str(msg.get("token", "")).encode(), self.token.encode()):
             raise BadRequestError("unauthorized: wrong or missing token")
@@ -155,14 +169,27 @@ class RewardService:
             except TimeoutError:
                 pass
             self.pool.maybe_scale_down()
+            if self.idle_expired():
+                self.stop()
+
+    def idle_expired(self) -> bool:
+        """With `idle_exit_s`: no request for that long and nothing queued or being scored."""
+        idle_s = time.monotonic() - self.last_busy
+        return 0 < self.idle_exit_s <= idle_s and not self.scoring and not self.sched.queued()
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self.scoring.discard(task)
+        self.last_busy = time.monotonic()
         self._wake.set()
 
     async def _score(self, key: Key, inp: RewardInput) -> None:
         errors: list[str] = []
-        out = await self.pool.score_input(inp, errors)
+        judged: JudgeResult | None = None
+        if self.judge is not None and inp.family in self.judge.families:
+            judged = await self._judge(inp, errors)
+            out = None if judged is None else judged.output
+        else:
+            out = await self.pool.score_input(inp, errors)
         if out is None:
             reply: dict[str, Any] = {
                 "id": key[1],
@@ -177,10 +204,22 @@ class RewardService:
                 "success": out.success,
                 "cached": False,
             }
+            if judged is not None:
+                reply["judge_fallback"] = judged.fallback
         self._journal.write(json.dumps({"client": key[0], "reply": reply}) + "\n")
         self._journal.flush()
         for peer in self.sched.complete(key, reply):
             await self._reply(peer, reply)  # type: ignore[arg-type]
+
+    async def _judge(self, inp: RewardInput, errors: list[str]) -> JudgeResult | None:
+        """The judge's result, retried like a reward call (`max_score_attempts`); None if all raised."""
+        assert self.judge is not None
+        for _ in range(self.cfg.max_score_attempts):
+            try:
+                return await self.judge.score(inp)
+            except Exception as exc:  # a crashed judge engine: retried, then the request fails
+                errors.append(repr(exc))
+        return None
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
@@ -193,6 +232,7 @@ class RewardService:
             "bad_requests": self.bad_requests,
             "clients": {c: vars(n) for c, n in self.sched.counts.items()},
             "pool": self.pool.stats(),
+            **({"judge": self.judge.stats()} if self.judge is not None else {}),
         }
 
     async def stats_loop(self, every_s: float) -> None:
@@ -225,9 +265,24 @@ class RewardService:
     def close(self) -> None:
         (self.dir / ADDRESS_FILE).unlink(missing_ok=True)
         self.pool.close()
+        if self.judge is not None:
+            self.judge.close()
         atomic_write_json(self.dir / STATS_FILE, self.stats())
         self._journal.close()
         self.ctx.destroy(linger=0)
+
+
+def make_judge(cfg: RewardConfig) -> Judge | None:
+    """The service's LLM judge (`reward.judge_model`), or None without one."""
+    if not cfg.judge_model:
+        return None
+    return Judge.load(
+        Path(cfg.judge_model),
+        cfg.judge_families,
+        cfg.judge_max_new_tokens,
+        cfg.judge_temperature,
+        cfg.judge_num_slots,
+    )
 
 
 def _peek_id(frame: bytes) -> Any:

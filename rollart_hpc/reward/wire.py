@@ -3,8 +3,10 @@
 Messages are one JSON frame each way (a client's DEALER socket to the service's ROUTER socket).
 Request: {"op": "score" | "ping" | "stats", "token", "client" (a run), "id" (unique within the client),
 "input" (a `RewardInput` as a dict, for "score")}. Reply: {"id", "status", ...} where status is "ok"
-(with "reward", "success", "cached"), "failed" (every reward call raised: "error"), or "error" (the
-request was refused: "error" says why, "retry" whether sending it again later can succeed).
+(with "reward", "success", "cached"; a judge family's reply also "judge_fallback": true when the
+judge's answer could not be parsed and the family's rule-based reward stands in), "failed" (every
+reward call raised: "error"), or "error" (the request was refused: "error" says why, "retry" whether
+sending it again later can succeed).
 Files in the service dir: `address` (JSON: address, pid, started), written atomically; `token` (the
 shared secret), mode 0600, written before `address` so a client that sees the address finds the token.
 """
