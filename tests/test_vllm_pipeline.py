@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from rollart_hpc.metrics.run_metrics import is_eval_row  # noqa: E402
 from rollart_hpc.store.trajectories import read_store  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,4 +51,7 @@ def test_embedded_default_runs_on_vllm(tmp_path: Path) -> None:
         assert versions == sorted(versions) and 0 <= rec.final_version - min(versions) <= 1
         assert all(math.isfinite(lp) and lp <= 0.0 for _, lp in generated)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["version"] for r in rows] == list(range(1, STEPS + 1))
+    steps = [r for r in rows if not is_eval_row(r)]
+    assert [r["version"] for r in steps] == list(range(1, STEPS + 1))
+    evals = sorted(r["version"] for r in rows if is_eval_row(r) and "eval_success" in r)
+    assert evals == [0, STEPS]  # the default evaluates at version 0 and at the end
