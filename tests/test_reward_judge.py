@@ -5,13 +5,12 @@ determinism, idempotent judge requests, and the config checks."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from reward_running import running_service
 
 from rollart_hpc.config import load_config
 from rollart_hpc.config.schema import RewardConfig
@@ -21,7 +20,6 @@ from rollart_hpc.reward import service as service_mod
 from rollart_hpc.reward.client import ServiceClient
 from rollart_hpc.reward.functions import RewardInput
 from rollart_hpc.reward.judge import Judge, judge_prompt, parse_score
-from rollart_hpc.reward.service import RewardService
 from rollart_hpc.reward.wire import input_to_dict
 from rollart_hpc.rollout.types import RequestOutput, SamplingParams
 
@@ -182,17 +180,6 @@ def _cfg(tmp_path: Path, **kw: object) -> RewardConfig:
     return replace(base, **kw)  # type: ignore[arg-type]
 
 
-@asynccontextmanager
-async def _service(tmp_path: Path, cfg: RewardConfig) -> AsyncIterator[RewardService]:
-    service = RewardService(cfg, tmp_path / "svc")
-    task = asyncio.create_task(service.run(stats_every_s=0.2))
-    try:
-        yield service
-    finally:
-        service.stop()
-        await task
-
-
 def test_service_judges_two_clients_in_one_batch_and_scores_rule_families_in_its_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -200,7 +187,7 @@ def test_service_judges_two_clients_in_one_batch_and_scores_rule_families_in_its
     cfg = _cfg(tmp_path)
 
     async def go() -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-        async with _service(tmp_path, cfg) as service:
+        async with running_service(tmp_path, cfg) as service:
             a, b = ServiceClient(cfg, "run-a"), ServiceClient(cfg, "run-b")
             rule = input_to_dict(RewardInput("frozenlake/1", "frozenlake", ("left",), 1.0, True))
             replies = await asyncio.gather(
@@ -240,7 +227,7 @@ def test_tiny_model_judge_batches_two_clients_falls_back_and_is_deterministic(
     )
 
     async def go() -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
-        async with _service(tmp_path, cfg) as service:
+        async with running_service(tmp_path, cfg) as service:
             a, b = ServiceClient(cfg, "run-a"), ServiceClient(cfg, "run-b")
             replies = await asyncio.gather(
                 *(a.request(f"a{i}", input_to_dict(_inp(i))) for i in range(3)),

@@ -12,14 +12,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import zmq
 import zmq.asyncio
+from reward_running import running_service
 
 from rollart_hpc.config import load_config
 from rollart_hpc.config.schema import RewardConfig
@@ -30,7 +31,6 @@ from rollart_hpc.reward.client import ServiceClient, request_id
 from rollart_hpc.reward.functions import REWARD_FNS, RewardInput, RewardOutput
 from rollart_hpc.reward.pool import RewardPool, RewardPoolConfig
 from rollart_hpc.reward.scheduler import FairScheduler
-from rollart_hpc.reward.service import RewardService
 from rollart_hpc.reward.wire import ADDRESS_FILE, TOKEN_FILE, encode, input_to_dict
 
 REPO = Path(__file__).resolve().parent.parent
@@ -148,22 +148,11 @@ def _cfg(**kw: object) -> RewardConfig:
     return replace(base, **kw)  # type: ignore[arg-type]
 
 
-@asynccontextmanager
-async def _service(tmp_path: Path, cfg: RewardConfig) -> AsyncIterator[RewardService]:
-    service = RewardService(cfg, tmp_path / "svc")
-    task = asyncio.create_task(service.run(stats_every_s=0.2))
-    try:
-        yield service
-    finally:
-        service.stop()
-        await task
-
-
 def test_service_token_file_is_private_and_scores_for_two_clients(tmp_path: Path) -> None:
     cfg = _cfg(service_dir=str(tmp_path / "svc"))
 
     async def go() -> tuple[list[Trajectory], list[Trajectory], dict[str, object]]:
-        async with _service(tmp_path, cfg) as service:
+        async with running_service(tmp_path, cfg) as service:
             a, b = ServiceClient(cfg, "run-a"), ServiceClient(cfg, "run-b")
             ra, rb = await asyncio.gather(
                 asyncio.gather(*(a.score(_traj(i)) for i in range(5))),
@@ -197,7 +186,7 @@ def test_service_serves_clients_round_robin(tmp_path: Path, monkeypatch: pytest.
     cfg = _cfg(service_dir=str(tmp_path / "svc"))
 
     async def go() -> None:
-        async with _service(tmp_path, cfg):
+        async with running_service(tmp_path, cfg):
             a, b = ServiceClient(cfg, "run-a"), ServiceClient(cfg, "run-b")
             inp = input_to_dict(_inp(1))
             heavy = [a.request(f"a{i}", {**inp, "task_id": "a"}) for i in range(20)]
@@ -223,7 +212,7 @@ def test_retried_request_is_scored_once(tmp_path: Path, monkeypatch: pytest.Monk
     cfg = _cfg(service_dir=str(tmp_path / "svc"))
 
     async def go() -> list[dict[str, object]]:
-        async with _service(tmp_path, cfg):
+        async with running_service(tmp_path, cfg):
             a = ServiceClient(cfg, "run-a")
             inp = input_to_dict(_inp(1))
             b = ServiceClient(cfg, "run-a")  # a second rank of the same run
@@ -241,7 +230,7 @@ def test_bad_requests_get_clear_errors_and_do_not_hurt_others(tmp_path: Path) ->
     cfg = _cfg(service_dir=str(tmp_path / "svc"), service_max_request_bytes=4096)
 
     async def go() -> tuple[list[dict[str, object]], Trajectory]:
-        async with _service(tmp_path, cfg) as service:
+        async with running_service(tmp_path, cfg) as service:
             ctx = zmq.asyncio.Context()
             sock = ctx.socket(zmq.DEALER)
             sock.connect(service.address)
@@ -284,7 +273,7 @@ def test_client_with_a_wrong_token_fails_its_trajectory_with_the_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def go() -> Trajectory:
-        async with _service(tmp_path, _cfg()) as service:
+        async with running_service(tmp_path, _cfg()) as service:
             monkeypatch.setenv("ROLLART_REWARD_TOKEN", "wrong")
             client = ServiceClient(_cfg(service=service.address.removeprefix("tcp://")), "run-a")
             traj = await client.score(_traj(1))
