@@ -173,6 +173,22 @@ def bucket_views(
     return per_bucket
 
 
+def lone_slot(layout: BucketLayout, index: int) -> TensorSlot | None:
+    """The slot that fills bucket `index` exactly (one tensor, offset 0, no padding), or None. Such a
+    bucket can be sent straight from the tensor's own bytes, without packing."""
+    found = [slot for slot in layout.slots if slot.bucket == index]
+    if len(found) == 1 and found[0].offset == 0 and found[0].nbytes == layout.bucket_nbytes[index]:
+        return found[0]
+    return None
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A flat uint8 view of a contiguous tensor's bytes (no copy), or None when it is not contiguous."""
+    if not tensor.is_contiguous():
+        return None
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
 def bucket_checksum(bucket: torch.Tensor) -> int:
     """CRC32 of the bytes of a CPU bucket; on GPU a position-weighted sum of its 64-bit words."""
     if bucket.device.type == "cpu":

@@ -9,9 +9,11 @@ Dataflow of one version (round r, counted from 1 on every member):
    once (on GPU the copies are queued on the current stream, which the NCCL broadcasts wait for). A
    background thread waits for the broadcasts with the group timeout, then (when enabled) computes
    per-bucket checksums and broadcasts them. With `snapshot=False` the packing moves into that thread
-   too and `publish` returns after the header: the caller then must not change its tensors until
-   `wait_packed()` returns (e.g. it runs its next forward and backward meanwhile and waits before the
-   optimizer step).
+   too and `publish` returns after the header; a bucket that one contiguous tensor fills exactly (a
+   large weight: `buckets.lone_slot`) is then not packed at all but broadcast straight from the
+   caller's tensor, so the large tensors cost no copy on the sending side. The caller must not change
+   its tensors until `wait_packed()` returns (e.g. it runs its next forward and backward meanwhile and
+   waits before the optimizer step); with direct sends that is when their broadcasts have ended.
 2. receiver: `receive(on_bucket)` marks its arrival, takes part in the header broadcast, checks the
    header against its layout, then issues every bucket broadcast at once into its receive buffers
    (allocated once, reused by every version) and waits for them in order; as soon as bucket i has
@@ -51,7 +53,9 @@ from rollart_hpc.weights.buckets import (
     bucket_checksum,
     bucket_views,
     check_matches,
+    lone_slot,
     pack_bucket,
+    tensor_bytes,
 )
 from rollart_hpc.weights.group import StandaloneGroup
 
@@ -88,7 +92,15 @@ class WeightPublisher:
         self.layout = share_layout(group, layout, group.member)
         self.checksum = checksum
         self.device = _device_for(group.backend)
-        self.buckets = allocate_buckets(layout, self.device)
+        self._lone = [lone_slot(self.layout, index) for index in range(self.layout.num_buckets)]
+        # Send buffers, allocated once; a lone-tensor bucket's buffer only when it is first packed (a
+        # publisher that always hands over its tensors never needs it).
+        self.buckets = [
+            torch.empty(0 if lone else nbytes, dtype=torch.uint8, device=self.device)
+            for lone, nbytes in zip(self._lone, self.layout.bucket_nbytes, strict=True)
+        ]
+        self._sent: list[torch.Tensor] = list(self.buckets)  # what each bucket's last broadcast sent
+        self.direct_sends = 0  # buckets sent straight from a caller's tensor, over all versions
         self.round = 0
         self._thread: threading.Thread | None = None
         self._error: Exception | None = None
@@ -121,7 +133,7 @@ class WeightPublisher:
         self._packed.clear()
         if snapshot:
             try:
-                works += self._pack_and_issue(version, tensors)
+                works += self._pack_and_issue(version, tensors, direct=False)[0]
             finally:
                 self._packed.set()
         pending = None if snapshot else tensors
@@ -133,14 +145,31 @@ class WeightPublisher:
         )
         self._thread.start()
 
-    def _pack_and_issue(self, version: int, tensors: Mapping[str, torch.Tensor]) -> list[tuple[Any, str]]:
-        """Pack bucket by bucket into the send buffers, issuing each broadcast as soon as it is packed."""
-        works = []
-        for index in range(self.layout.num_buckets):
-            pack_bucket(self.layout, index, tensors, self.buckets)
-            work = self.group.start_broadcast(self.buckets[index], self.group.member)
+    def _pack_and_issue(
+        self, version: int, tensors: Mapping[str, torch.Tensor], direct: bool
+    ) -> tuple[list[tuple[Any, str]], bool]:
+        """Pack bucket by bucket into the send buffers, issuing each broadcast as soon as it is packed;
+        with `direct`, a lone-tensor bucket is sent from the tensor itself. Returns the works and
+        whether any bucket was sent directly (the caller's tensors are then in use until they end)."""
+        works, any_direct = [], False
+        for index, slot in enumerate(self._lone):
+            wire = None
+            if direct and slot is not None and tensors[slot.name].device == self.device:
+                wire = tensor_bytes(tensors[slot.name])
+            if wire is None:
+                if self.buckets[index].numel() != self.layout.bucket_nbytes[index]:
+                    self.buckets[index] = torch.empty(
+                        self.layout.bucket_nbytes[index], dtype=torch.uint8, device=self.device
+                    )
+                pack_bucket(self.layout, index, tensors, self.buckets)
+                wire = self.buckets[index]
+            else:
+                any_direct = True
+                self.direct_sends += 1
+            self._sent[index] = wire
+            work = self.group.start_broadcast(wire, self.group.member)
             works.append((work, f"weights v{version} bucket {index}/{self.layout.num_buckets}"))
-        return works
+        return works, any_direct
 
     def _finish(
         self,
@@ -151,17 +180,20 @@ class WeightPublisher:
     ) -> None:
         try:
             if pending is not None:
-                try:
-                    works += self._pack_and_issue(version, pending)
-                finally:
+                issued, any_direct = self._pack_and_issue(version, pending, direct=True)
+                works += issued
+                if not any_direct:
                     self._packed.set()
             for work, what in works:
                 self.group.wait(work, self.group.member, what, self.round)
+            self._packed.set()
             if self.checksum:
-                sums = torch.tensor([bucket_checksum(b) for b in self.buckets], dtype=torch.int64)
+                sums = torch.tensor([bucket_checksum(b) for b in self._sent], dtype=torch.int64)
                 self.group.broadcast(sums.to(self.device), self.group.member, f"weights v{version} checksums")
         except Exception as exc:  # not swallowed: re-raised in the caller's thread by wait()/publish()
             self._error = exc
+        finally:
+            self._packed.set()
         assert header.numel() == HEADER_LEN  # the header tensor must stay alive until its broadcast ends
 
     def wait_packed(self) -> None:

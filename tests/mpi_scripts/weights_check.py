@@ -29,13 +29,15 @@ TAG_VERSION = 78
 def roundtrip(world, group, result):
     """The transport contract (weights_contract.py) over the group transport, announced over MPI."""
     result["runs"] = []
-    for bucket_bytes, checksum in ((256, False), (4096, True), (1 << 20, False)):
-        run = {"bucket_bytes": bucket_bytes}
+    for bucket_bytes, checksum, snapshot in ((256, False, True), (4096, True, True), (1 << 20, False, True),
+                                             (4096, True, False), (256, False, False)):  # fmt: skip
+        run = {"bucket_bytes": bucket_bytes, "snapshot": snapshot}
         if world.rank == 0:
             announce = announce_to(world, [1, 2], TAG_VERSION)
             sender = GroupWeightSender.open(group, model(0), bucket_bytes / 2**20, announce, checksum)
             run["num_buckets"] = sender.publisher.layout.num_buckets
-            run["versions"] = send_versions(sender)
+            run["versions"] = send_versions(sender, snapshot)
+            run["direct_sends"] = sender.publisher.direct_sends
         else:
             source = GroupWeightReceiver.open(group, 0)
             run["num_buckets"] = source.receiver.layout.num_buckets

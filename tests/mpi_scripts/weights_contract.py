@@ -44,15 +44,21 @@ def digest(named: Iterable[tuple[str, torch.Tensor]]) -> Digest:
     }
 
 
-def send_versions(sender: WeightSender) -> dict[int, Digest]:
-    """Publish every version; returns the digest of what each publish was given."""
+def send_versions(sender: WeightSender, snapshot: bool = True) -> dict[int, Digest]:
+    """Publish every version; returns the digest of what each publish was given. With `snapshot` the
+    sender scribbles over its tensors right after each publish; without, it hands over fresh tensors
+    that it never touches again (the hand-over rule of `publish(snapshot=False)`)."""
     sent = {}
+    handed_over = []
     for version in VERSIONS:
         named = model(version)
-        sender.publish(version, named)
+        sender.publish(version, named, snapshot=snapshot)
         sent[version] = digest(model(version).items())
-        for t in named.values():  # the caller may step on at once: the snapshot is already taken
-            t.zero_() if t.dtype != torch.bool else t.logical_not_()
+        if snapshot:
+            for t in named.values():  # the caller may step on at once: the snapshot is already taken
+                t.zero_() if t.dtype != torch.bool else t.logical_not_()
+        else:
+            handed_over.append(named)
     sender.wait()
     return sent
 
