@@ -62,6 +62,9 @@ def test_values_split_outside_brackets_and_names_are_slugged() -> None:
         (["--seeds", "0,x"], "integers"),
         (["--parallel", "0"], "--parallel must be >= 1"),
         (["--set", "algo.rho=0.8", "--grid", "algo.rho=0.9"], "swept"),
+        (["--shared-warm-start", "--grid", "trainer.sft_steps=1,2"], "changes the warm start"),
+        (["--shared-warm-start", "--grid", "model.hidden_size=64,128"], "changes the warm start"),
+        (["--shared-warm-start", "--slurm"], "not with --slurm"),
     ],
 )
 def test_bad_arguments_are_one_line_errors_with_exit_2(
@@ -228,8 +231,10 @@ def _cli(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.mpi
 def test_local_sweep_of_tiny_runs_every_arm_and_skips_finished_runs(tmp_path: Path) -> None:
+    """With --shared-warm-start: one warm-start run, and both arms start from its warm model."""
     out = tmp_path / "sweep"
-    argv = ["sweep", "configs/tiny.toml", "--grid", "algo.rho=0.8,0.9", "--seeds", "0", "--out", str(out)]
+    argv = ["sweep", "configs/tiny.toml", "--grid", "algo.rho=0.8,0.9", "--seeds", "0", "--out", str(out),
+            "--shared-warm-start"]  # fmt: skip
     start = time.monotonic()
     proc = _cli(*argv, *FAST, *EVAL)
     took = time.monotonic() - start
@@ -237,9 +242,13 @@ def test_local_sweep_of_tiny_runs_every_arm_and_skips_finished_runs(tmp_path: Pa
     names = ["algo.rho=0.8/seed=0", "algo.rho=0.9/seed=0"]
     listing = json.loads((out / "sweep.json").read_text())
     assert [r["name"] for r in listing["runs"]] == names
+    warm = out / "warm" / "seed=0" / "model" / "warm"
+    assert (out / "warm" / "seed=0" / "summary.json").exists() and (warm / "COMPLETE").exists()
     for name, rho in zip(names, (0.8, 0.9), strict=True):
         assert (out / name / "summary.json").exists()
-        assert f"rho = {rho}" in (out / name / "config.resolved.toml").read_text()
+        resolved = (out / name / "config.resolved.toml").read_text()
+        assert f"rho = {rho}" in resolved and f'path = "{warm}"' in resolved and "sft_steps = 0" in resolved
+        assert not (out / name / "model" / "init").exists()  # no model of its own: the warm one
         rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows if r.get("kind") != "eval"] == [0, 1]
     again = _cli(*argv, *FAST, *EVAL)

@@ -24,8 +24,12 @@ signal traps, the srun step with srun_watch, restarts after a failed step, reque
 preemption), with its output in `RUN_DIR/slurm-<element job id>.out`. SLURM has no arrays of
 heterogeneous jobs, so every role must sit on one partition (the error says so otherwise).
 
-Not done: sharing one warm start (the SFT steps) between runs that differ only in RL settings; every
-run warm-starts itself (the trainer has no way to start from a saved warm model without its SFT).
+`--shared-warm-start` (local sweeps): the arms of one seed start from one warm start instead of one each.
+Per seed, a warm-start run `DIR/warm/seed=<s>` (the config with `controller.num_steps=1` and no evaluation)
+is run first (or reused once finished); every arm's run of that seed then starts from its warm model
+(`model.source="path"`, `model.path=DIR/warm/seed=<s>/model/warm`, `trainer.sft_steps=0`). So the arms are
+compared from the same initial policy, and the sweep spends one warm start per seed. A grid key that changes
+the warm start (under `model.`, `envs.`, `roles.`, `run.`, or `trainer.sft_`) is refused.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +58,8 @@ SWEEP_JSON = "sweep.json"
 SWEEP_LOG = "sweep.log"
 ARRAY_SCRIPT = "array.sbatch"
 SEED_KEY = "run.seed"
+WARM_ARM = "warm"
+WARM_START_KEYS = ("model.", "envs.", "roles.", "run.", "trainer.sft_")  # grid keys a warm start depends on
 FINISHED, RESUME, FRESH = "finished", "resume", "fresh"
 POLL_S = 0.5
 
@@ -65,6 +71,7 @@ class SweepRun:
     arm: str
     seed: int
     grid: tuple[tuple[str, str], ...]  # (key, value) of every grid key, in grid order
+    extra: tuple[str, ...] = ()  # overrides of the sweep's own making (the shared warm start)
 
     @property
     def name(self) -> str:
@@ -72,7 +79,27 @@ class SweepRun:
 
     @property
     def overrides(self) -> tuple[str, ...]:
-        return (*(f"{key}={value}" for key, value in self.grid), f"{SEED_KEY}={self.seed}")
+        return (*(f"{key}={value}" for key, value in self.grid), f"{SEED_KEY}={self.seed}", *self.extra)
+
+
+def warm_start_run(seed: int) -> SweepRun:
+    """The run whose warm model the arms of `seed` share: the config, one RL step, no evaluation."""
+    return SweepRun(WARM_ARM, seed, (), ("controller.num_steps=1", "controller.eval_every_steps=0"))
+
+
+def from_warm_start(run: SweepRun, out: Path) -> SweepRun:
+    """`run`, started from the shared warm model of its seed (no supervised steps of its own)."""
+    warm = out / warm_start_run(run.seed).name / "model" / "warm"
+    extra = ('model.source="path"', f"model.path={json.dumps(str(warm))}", "trainer.sft_steps=0")
+    return replace(run, extra=extra)
+
+
+def check_shared_warm_start(grid: Sequence[tuple[str, Sequence[str]]]) -> None:
+    for key, _ in grid:
+        if key.startswith(WARM_START_KEYS):
+            raise UsageError(
+                f"--shared-warm-start: --grid {key} changes the warm start; sweep it without sharing"
+            )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +123,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-requeues", type=int, default=3, help="--slurm: requeues per element after a stop (default 3)"
     )
     parser.add_argument("--nodes", type=int, default=1, help="--slurm: nodes per element (default 1)")
+    parser.add_argument(
+        "--shared-warm-start",
+        action="store_true",
+        help="the arms of a seed start from one warm start, run first (local sweeps)",
+    )
     restarts.add_argument(parser)
 
 
@@ -250,6 +282,10 @@ def check_options(args: argparse.Namespace) -> None:
     for text in args.set:
         if "=" not in text:
             raise UsageError(f"--set {text!r}: expected KEY=VALUE")
+    if args.shared_warm_start:
+        if args.slurm:
+            raise UsageError("--shared-warm-start runs the warm starts locally first; not with --slurm")
+        check_shared_warm_start(parse_grid(args.grid))
     grid_keys = {key for key, _ in parse_grid(args.grid)}
     clash = sorted(grid_keys & {t.partition("=")[0].strip() for t in args.set})
     if clash or SEED_KEY in {t.partition("=")[0].strip() for t in args.set}:
@@ -264,9 +300,14 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     if args.slurm:
         check_run_dir(out)
-    configs = resolve_runs(args.config, args.set, runs, out)
+    warm = [warm_start_run(seed) for seed in parse_seeds(args.seeds)] if args.shared_warm_start else []
+    runs = [from_warm_start(r, out) for r in runs] if warm else runs
+    configs = resolve_runs(args.config, args.set, [*warm, *runs], out)
     out.mkdir(parents=True, exist_ok=True)
     write_sweep_json(out, args.config, args.set, runs)
+    if warm and run_warm_starts(out, warm, args) != 0:
+        print("a warm start failed: no arm was started", flush=True)
+        return 1
     states = {r.name: run_state(out / r.name, str(FINISH_MARKERS["rl"])) for r in runs}
     print(f"sweep {out}: {len(runs)} runs", flush=True)
     for run in runs:
@@ -277,6 +318,22 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.slurm:
         return submit_array(out, todo, configs, states, args)
+    commands = {
+        r.name: run_command(args.config, args.set, r, out, states[r.name], args.max_restarts) for r in todo
+    }
+    return run_local(out, [r.name for r in todo], commands, args.parallel)
+
+
+def run_warm_starts(out: Path, warm: Sequence[SweepRun], args: argparse.Namespace) -> int:
+    """Run (or resume) the warm-start run of every seed that has not finished; 0 when all have."""
+    from rollart_hpc.cluster.sbatch import FINISH_MARKERS
+
+    states = {r.name: run_state(out / r.name, str(FINISH_MARKERS["rl"])) for r in warm}
+    todo = [r for r in warm if states[r.name] != FINISHED]
+    for run in warm:
+        print(f"  {run.name:<40} {states[run.name]} (shared warm start)", flush=True)
+    if not todo:
+        return 0
     commands = {
         r.name: run_command(args.config, args.set, r, out, states[r.name], args.max_restarts) for r in todo
     }
