@@ -263,6 +263,12 @@ class RolloutConfig:
         "depend on which requests share a step (CPU matmuls round by shape): a sync-mode run resumed from a "
         "checkpoint continues bit for bit. Slower (no batching).",
     )
+    prefix_cache_slots: int = doc_field(
+        16,
+        "Built-in engine: KV rows kept for the prefixes of ended requests, so an agent's next turn (which "
+        "re-sends the episode so far) prefills only its new tokens; least recently used evicted, emptied "
+        "by a weight swap. 0 = off; off with batch_invariant. Each row holds max_model_len positions.",
+    )
     max_engine_rebuilds: int = doc_field(
         3,
         "Engine failures a rollout rank survives in a run: a failed engine (an exception from step, "
@@ -288,6 +294,8 @@ class RolloutConfig:
             raise UsageError(f"{path}: num_slots >= 1, max_model_len >= 16, max_new_tokens >= 1 required")
         if self.batch_invariant and self.engine != "builtin":
             raise UsageError(f"{path}.batch_invariant: only the built-in engine has it, not {self.engine!r}")
+        if self.prefix_cache_slots < 0:
+            raise UsageError(f"{path}.prefix_cache_slots: must be >= 0, got {self.prefix_cache_slots}")
         if self.max_engine_rebuilds < 0:
             raise UsageError(f"{path}.max_engine_rebuilds: must be >= 0, got {self.max_engine_rebuilds}")
         if not 0.0 <= self.fault_step_prob < 1.0:

@@ -5,13 +5,21 @@ Dataflow. `add_request` queues a request; each `step()`:
 1. swaps in staged weights, if any (the only place the active snapshot changes);
 2. reports requests that failed validation or were aborted since the last step;
 3. decodes one token for every running slot whose KV cache is up to date (one batched forward);
-4. admits waiting requests into free slots and (re-)prefills every slot whose cache is behind
-   (a new prompt, or all running slots after a swap when `recompute_on_swap`), one forward per slot;
-5. samples, applies stop conditions, frees finished slots, and returns finished (and streamed) outputs.
+4. admits waiting requests into free slots (copying the longest cached prefix of the prompt from the
+   prefix cache into the slot, when there is one) and (re-)prefills every slot whose cache is behind
+   (a new prompt past its cached prefix, or all running slots after a swap when `recompute_on_swap`);
+5. samples, applies stop conditions, frees finished slots (keeping their KV rows in the prefix cache),
+   and returns finished (and streamed) outputs.
 
 Invariants:
 - Slots: a fixed number, KV cache preallocated. Running requests occupy rows 0..n-1; a freed row is
   refilled at once by moving the last row into it, so decode always reads contiguous rows.
+- Prefix cache (`prefix_cache_slots` > 0): rows num_slots.. hold the KV of ended requests (every token
+  that went through the model), indexed by token blocks (`rollart_hpc.rollout.prefix_cache`), least
+  recently used evicted first. A new request starts from the longest cached prefix of its prompt
+  (never the whole prompt). With `recompute_on_swap` a weight swap empties the cache, so a reused
+  prefix was computed by the weights that are active. Off with `batch_invariant` (a reused prefix would
+  make a request's numbers depend on what ran before it).
 - Versions: all forward passes of one step read the same `PackedWeights` snapshot; `update_weights`
   (thread-safe, callable from any thread while another thread steps) only stages a new snapshot.
   With `recompute_on_swap` (default) every running request's cache is rebuilt under the new weights
@@ -44,6 +52,7 @@ from rollart_hpc.models.checkpoint import check_weights, drop_tied_head, load_we
 from rollart_hpc.models.config import ModelConfig, load_config
 from rollart_hpc.rollout.decoder import Decoder, Segment, SlotKVCache
 from rollart_hpc.rollout.packed import PackedWeights, pack_weights, resolve_backend, unpack_weights
+from rollart_hpc.rollout.prefix_cache import PrefixIndex
 from rollart_hpc.rollout.sampling import sample
 from rollart_hpc.rollout.types import FinishReason, RequestOutput, SamplingParams
 
@@ -84,11 +93,14 @@ class LLMEngine:
         max_num_batched_tokens: int = 2048,
         linear_backend: str = "auto",
         batch_invariant: bool = False,
+        prefix_cache_slots: int = 0,
     ) -> None:
         if max_num_batched_tokens <= num_slots:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed num_slots ({num_slots})"
             )
+        if prefix_cache_slots and batch_invariant:
+            raise ValueError("a prefix cache and batch_invariant exclude each other")
         self.max_num_batched_tokens = max_num_batched_tokens
         self.config = config
         self.tokenizer = tokenizer
@@ -99,7 +111,11 @@ class LLMEngine:
         self.batch_invariant = batch_invariant
         self.eos_token_ids = frozenset(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self._decoder = Decoder(config, max_model_len, dtype)
-        self._cache = SlotKVCache(config, num_slots, max_model_len, dtype)
+        self._cache = SlotKVCache(config, num_slots + prefix_cache_slots, max_model_len, dtype)
+        self._prefix = PrefixIndex(prefix_cache_slots)
+        self._prefix_rows = list(range(num_slots, num_slots + prefix_cache_slots))
+        self.prefill_tokens = 0  # tokens computed in prefill segments, over the engine's lifetime
+        self.decode_tokens = 0
         check_weights(config, drop_tied_head(config, dict(weights)), complete=True)
         self.linear_backend = resolve_backend(linear_backend, dtype)
         self._weights = pack_weights(config, weights, dtype, self.linear_backend)
@@ -136,6 +152,14 @@ class LLMEngine:
 
     def num_running(self) -> int:
         return len(self._running)
+
+    def prefix_stats(self) -> dict[str, int | float]:
+        """Prefix-cache lookups, hits, prompt tokens reused, evictions, and the tokens computed."""
+        return {
+            **self._prefix.stats.to_dict(),
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+        }
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, stream: bool = False
@@ -220,12 +244,19 @@ class LLMEngine:
             return
         self._weights, self._version = staged
         if self.recompute_on_swap:
+            self._prefix.clear()
             for req in self._running:
                 req.cached = 0
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.num_slots:
-            self._running.append(self._waiting.popleft())
+            req = self._waiting.popleft()
+            hit = self._prefix.lookup(req.prompt) if self._prefix_rows else None
+            if hit is not None:
+                row, matched = hit
+                self._cache.move(row, len(self._running), matched)
+                req.cached = matched
+            self._running.append(req)
 
     def _plan(self) -> tuple[list[Segment], list[int], list[int]]:
         """This step's segments (decodes first), their token ids, and which segments end in a sample."""
@@ -269,6 +300,9 @@ class LLMEngine:
             rows = self._decoder.forward(self._weights, self._cache, torch.tensor(token_ids), segments)
         for seg in segments:
             self._running[seg.slot].cached = seg.start + seg.length
+        decodes = sum(1 for seg in segments if seg.length == 1)
+        self.decode_tokens += decodes
+        self.prefill_tokens += len(token_ids) - decodes
         reqs = [self._running[segments[i].slot] for i in sampled]
         if self.batch_invariant:
             for i, req in zip(sampled, reqs, strict=True):
@@ -344,6 +378,8 @@ class LLMEngine:
         """Free `rows`, keeping running requests in rows 0..n-1 by moving tail rows into the holes."""
         if not rows:
             return
+        for row in rows:
+            self._retain(row)
         freed = set(rows)
         keep = len(self._running) - len(freed)
         holes = [r for r in sorted(freed) if r < keep]
@@ -352,6 +388,15 @@ class LLMEngine:
             self._cache.move(src, hole, self._running[src].cached)
             self._running[hole] = self._running[src]
         del self._running[keep:]
+
+    def _retain(self, row: int) -> None:
+        """Keep an ending request's KV row in the prefix cache (when it has one and a block to keep)."""
+        req = self._running[row]
+        if not self._prefix_rows or req.cached < self._prefix.block:
+            return
+        dst = self._prefix.victim(self._prefix_rows)
+        self._cache.move(row, dst, req.cached)
+        self._prefix.store(dst, req.tokens()[: req.cached])
 
 
 def _load_tokenizer(model_dir: Path) -> Any | None:

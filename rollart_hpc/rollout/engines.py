@@ -22,6 +22,7 @@ def build_builtin(rollout: RolloutConfig, model_dir: Path, version: int, seed: i
         version=version,
         seed=seed,
         batch_invariant=rollout.batch_invariant,
+        prefix_cache_slots=0 if rollout.batch_invariant else rollout.prefix_cache_slots,
     )
 
 
