@@ -24,6 +24,8 @@ def args_for(tmp_path, **over):
         latency="pareto",
         latency_scale_s=0.05,
         latency_max_s=1.0,
+        seeds="0",
+        metric="train",
         target_success=None,
         target_fraction=0.8,
         window=2,
@@ -42,21 +44,47 @@ def rows(walls, successes):
     ]
 
 
-def test_target_from_final_sync_success_and_time_to_reach_it(tmp_path):
-    sync = rows([1, 2, 3, 4], [0.0, 0.5, 0.5, 1.0])
-    target = e2e.pick_target(args_for(tmp_path), sync)
+def train(walls, successes, window=2):
+    return e2e.success_series(rows(walls, successes), [], "train", window)
+
+
+def test_target_from_the_sync_gain_and_time_to_reach_it(tmp_path):
+    sync = train([1, 2, 3, 4], [0.0, 0.5, 0.5, 1.0])
+    target = e2e.pick_target(args_for(tmp_path), [sync])
+    # trailing means over 2 steps: 0, 0.25, 0.5, 0.75 -> start 0, final 0.75, target 0.6 at step 3
     assert target["defined"] and target["value"] == pytest.approx(0.8 * 0.75)
-    # trailing means over 2 steps: 0, 0.25, 0.5, 0.75 -> first >= 0.6 at step 3
     assert e2e.time_to_target(sync, target) == 4.0
-    assert e2e.time_to_target(rows([1, 2], [0.0, 0.2]), target) is None
-    fixed = e2e.pick_target(args_for(tmp_path, target_success=0.25), sync)
+    assert e2e.time_to_target(train([1, 2], [0.0, 0.2]), target) is None
+    fixed = e2e.pick_target(args_for(tmp_path, target_success=0.25), [sync])
     assert fixed["value"] == 0.25 and e2e.time_to_target(sync, fixed) == 2.0
 
 
-def test_target_is_undefined_without_sync_success(tmp_path):
-    target = e2e.pick_target(args_for(tmp_path), rows([1, 2], [0.0, 0.0]))
+def test_eval_target_starts_from_the_first_round_and_averages_seeds(tmp_path):
+    evals = [
+        [{"wall_s": 5.0, "eval_success": 0.3}, {"wall_s": 50.0, "eval_success": 0.4}, {"wall_s": 90.0, "eval_success": 0.5}],
+        [{"wall_s": 6.0, "eval_success": 0.4}, {"wall_s": 60.0, "eval_success": 0.6}, {"wall_s": 95.0, "eval_success": 0.7}],
+    ]  # fmt: skip
+    series = [e2e.success_series([], rounds, "eval", 3) for rounds in evals]
+    target = e2e.pick_target(args_for(tmp_path, metric="eval", target_fraction=0.5), series)
+    assert target["value"] == pytest.approx(0.35 + 0.5 * (0.6 - 0.35))  # 0.475
+    assert [e2e.time_to_target(s, target) for s in series] == [90.0, 60.0]
+    seeds = [{"time_to_target_s": 90.0, "final_success": 0.5, "steps": 3, "trained_trajectories": 12,
+              "wall_s": 100.0, "trajectories_per_s": 1.0, "tokens_per_s": 10.0, "balanced": True,
+              "busy_fraction_by_role": {"env": 0.5}},
+             {"time_to_target_s": None, "final_success": 0.7, "steps": 3, "trained_trajectories": 12,
+              "wall_s": 110.0, "trajectories_per_s": 2.0, "tokens_per_s": 20.0, "balanced": True,
+              "busy_fraction_by_role": {"env": 0.7}}]  # fmt: skip
+    mode = e2e.mode_result(seeds)
+    assert mode["time_to_target_s"] is None and mode["time_to_target_per_seed_s"] == [90.0, None]
+    assert mode["trajectories_per_s"] == 1.5 and mode["busy_fraction_by_role"]["env"] == pytest.approx(0.6)
+
+
+def test_target_is_undefined_without_a_sync_gain(tmp_path):
+    target = e2e.pick_target(args_for(tmp_path), [train([1, 2], [0.0, 0.0])])
     assert not target["defined"] and "undefined" in target["note"]
-    assert e2e.time_to_target(rows([1], [1.0]), target) is None
+    assert e2e.time_to_target(train([1], [1.0]), target) is None
+    no_rows = e2e.pick_target(args_for(tmp_path, metric="eval"), [[]])
+    assert not no_rows["defined"] and "no eval success rows" in no_rows["note"]
 
 
 def test_speedups_are_ratios_to_sync():
@@ -89,6 +117,11 @@ def test_bad_arguments_are_usage_errors(tmp_path):
         e2e.check_args(args_for(tmp_path, target_fraction=0.0))
     with pytest.raises(UsageError, match="key=value"):
         e2e.check_args(args_for(tmp_path, overrides=["oops"]))
+    with pytest.raises(UsageError, match="a seed is repeated"):
+        e2e.check_args(args_for(tmp_path, seeds="1,1"))
+    with pytest.raises(UsageError, match="eval_every_steps > 0"):
+        e2e.check_metric(args_for(tmp_path, metric="eval"))  # tiny.toml has no evaluation rounds
+    e2e.check_metric(args_for(tmp_path, metric="eval", overrides=["controller.eval_every_steps=2"]))
     assert e2e.check_args(args_for(tmp_path, modes="async,sync")) == ["sync", "async"]
 
 
@@ -108,6 +141,8 @@ def test_bench_e2e_tiny(tmp_path):
         "0.02",
         "--target-success",
         "0.0001",
+        "--metric",
+        "train",
     ]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -115,12 +150,15 @@ def test_bench_e2e_tiny(tmp_path):
     assert set(data["modes"]) == {"sync", "async"}
     for mode, r in data["modes"].items():
         assert r["steps"] == 2 and r["trained_trajectories"] == 8 and r["balanced"], mode
+        assert len(r["seeds"]) == 1 and len(r["seeds"][0]["series"]) == 2
         assert set(r["busy_fraction_by_role"]) == {"env", "reward", "rollout", "trainer"}
         assert all(0 <= f <= 1 for f in r["busy_fraction_by_role"].values())
-        assert (Path(r["run_dir"]) / "report" / "report.md").exists()
+        assert (Path(r["seeds"][0]["run_dir"]) / "report" / "report.md").exists()
     assert data["modes"]["sync"]["speedup_wall"] == 1.0
     assert set(
-        json.loads((Path(data["modes"]["async"]["run_dir"]) / "summary.json").read_text())["staleness"]
+        json.loads((Path(data["modes"]["async"]["seeds"][0]["run_dir"]) / "summary.json").read_text())[
+            "staleness"
+        ]
     ) <= {
         "0",
         "1",

@@ -1,23 +1,29 @@
-"""`launch.py bench e2e --json OUT [--steps N] [--batch B] [--latency pareto ...] [--out-dir D] [k=v ...]`.
+"""`launch.py bench e2e --json OUT [--steps N] [--batch B] [--seeds 0,1,2] [--metric eval|train] [k=v ...]`.
 
-The same multi-task workload with long-tailed env latency, run once per mode (sync, one_step_off, async
-with max_staleness 1) with the same config, model, seeds, steps and batch size, so every mode trains the
+The same multi-task workload with long-tailed env latency, run per mode (sync, one_step_off, async with
+max_staleness 1) and per seed with the same config, model, steps and batch size, so every mode trains the
 same number of trajectories. Each run is `launch.py run` in a subprocess (one after the other, never in
-parallel), with its run directory and log under --out-dir. Extra dotted overrides apply to every run.
+parallel), with its run directory `<mode>/seed=<s>` and log under --out-dir. Extra dotted overrides apply
+to every run.
 
-Per mode the JSON holds: RL wall-clock, throughput (trained trajectories/s, tokens/s), time to the target
-training success, the busy fraction of each role (from the ranks' timeline files), and ratios to sync:
-`speedup_time_to_target` (sync time / mode time), `speedup_throughput` (mode rate / sync rate) and
-`speedup_wall` (sync RL wall-clock / mode RL wall-clock, the end-to-end training-time ratio).
+The success series of a run (`--metric`): `eval`, the evaluation rounds' `eval_success` (uniform over the
+training tasks, so the sampler's task mix cannot move it; needs `controller.eval_every_steps > 0`), or
+`train`, the trailing mean of `train_success` over `--window` steps. Times are the rows' wall_s (seconds
+since RL start, after the warm start).
 
-Target: `--target-success X` when given; otherwise `--target-fraction` (default 0.8) of the sync run's
-final success, the mean `train_success` of its last `--window` steps. A mode reaches the target at the
-first step whose trailing mean over `--window` steps is >= the target; its time is that step's wall_s
-(seconds since RL start, after warm start). A target <= 0 is undefined (no learning signal): times and
-their speedups are null then, with the reason in `target.note`.
+Target: `--target-success X` when given; otherwise the start of the series plus `--target-fraction` (default
+0.8) of the sync runs' gain, `start + f * (final - start)`, with start and final the means over the sync seeds
+of each series' first and last value. A run reaches the target at its first point >= the target. Without a
+gain (final <= start) the target is undefined: times and their speedups are null, the reason in
+`target.note`.
 
-PNGs beside the JSON: `<stem>-reward.png` (success vs wall-clock, per mode) and `<stem>-utilisation.png`
-(per mode, per role busy fraction over time).
+Per mode the JSON holds per seed and as means over seeds: RL wall-clock, throughput (trained trajectories/s,
+tokens/s), time to target, the busy fraction of each role (timeline files), and ratios to sync:
+`speedup_time_to_target` (mean sync time / mean mode time, null unless every seed of both reached the
+target), `speedup_throughput` and `speedup_wall`.
+
+PNGs beside the JSON: `<stem>-reward.png` (the success series vs wall-clock, every seed, one colour per
+mode) and `<stem>-utilisation.png` (per mode, its first seed's per-role busy fraction over time).
 """
 
 from __future__ import annotations
@@ -45,9 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency", choices=["none", "lognormal", "pareto"], default="pareto")
     parser.add_argument("--latency-scale-s", type=float, default=0.2, help="latency scale per env step, s")
     parser.add_argument("--latency-max-s", type=float, default=5.0, help="cap on one step's latency, s")
-    parser.add_argument("--target-success", type=float, default=None, help="fixed target train success")
-    parser.add_argument("--target-fraction", type=float, default=0.8, help="of the final sync success")
-    parser.add_argument("--window", type=int, default=3, help="steps in the trailing success mean")
+    parser.add_argument("--seeds", default="0", help="comma-separated run.seed values (default 0)")
+    parser.add_argument(
+        "--metric", choices=["eval", "train"], default="eval", help="success series: eval rounds or train"
+    )
+    parser.add_argument("--target-success", type=float, default=None, help="fixed target success")
+    parser.add_argument("--target-fraction", type=float, default=0.8, help="of the sync runs' gain")
+    parser.add_argument("--window", type=int, default=3, help="--metric train: steps in the trailing mean")
     parser.add_argument("--out-dir", type=Path, default=None, help="run dirs (default: beside --json)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per run, seconds")
     parser.add_argument("overrides", nargs="*", help="dotted overrides for every run (key=value)")
@@ -72,9 +82,10 @@ def mode_overrides(args: argparse.Namespace, mode: str) -> list[str]:
     return out
 
 
-def run_mode(args: argparse.Namespace, mode: str, out_dir: Path) -> Path:
-    """`launch.py run` for one mode; returns its run directory. A failed run raises with its log's tail."""
-    run_dir = (out_dir / mode).resolve()
+def run_mode(args: argparse.Namespace, mode: str, seed: int, out_dir: Path) -> Path:
+    """`launch.py run` for one mode and seed; returns its run directory. A failed run raises with its
+    log's tail."""
+    run_dir = (out_dir / mode / f"seed={seed}").resolve()
     if run_dir.exists():
         raise UsageError(f"{run_dir} exists: choose an empty --out-dir")
     cmd = [
@@ -86,9 +97,9 @@ def run_mode(args: argparse.Namespace, mode: str, out_dir: Path) -> Path:
         "--run-dir",
         str(run_dir),
     ]
-    cmd += [*args.overrides, *mode_overrides(args, mode)]
-    log = out_dir / f"{mode}.log"
-    print(f"[{mode}] {' '.join(cmd[3:])}", flush=True)
+    cmd += [*args.overrides, *mode_overrides(args, mode), f"run.seed={seed}"]
+    log = out_dir / f"{mode}-seed={seed}.log"
+    print(f"[{mode} seed {seed}] {' '.join(cmd[3:])}", flush=True)
     with log.open("w", encoding="utf-8") as fh:
         rc = subprocess.run(
             cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout_s
@@ -109,26 +120,48 @@ def trailing_means(values: list[float], window: int) -> list[float]:
     return out
 
 
-def pick_target(args: argparse.Namespace, sync_rows: list[dict[str, Any]]) -> dict[str, Any]:
+Series = list[tuple[float, float]]  # (wall_s since RL start, success)
+
+
+def success_series(
+    rows: list[dict[str, Any]], evals: list[dict[str, Any]], metric: str, window: int
+) -> Series:
+    """A run's success over wall-clock: its evaluation rounds, or the trailing train-success mean."""
+    if metric == "eval":
+        return [(float(r["wall_s"]), float(r["eval_success"])) for r in evals if "eval_success" in r]
+    means = trailing_means([float(r["train_success"]) for r in rows], window)
+    return [(float(r["wall_s"]), m) for r, m in zip(rows, means, strict=True)]
+
+
+def pick_target(args: argparse.Namespace, sync_series: list[Series]) -> dict[str, Any]:
+    """The target success (see the module docstring) from the sync runs' series, one per seed."""
+    series = [s for s in sync_series if s]
+    base = {"metric": args.metric, "window": args.window}
     if args.target_success is not None:
-        value, how = float(args.target_success), "fixed (--target-success)"
-    else:
-        tail = [float(r["train_success"]) for r in sync_rows[-args.window :]]
-        final = sum(tail) / len(tail)
-        value = args.target_fraction * final
-        how = f"{args.target_fraction} x final sync success {final:.4f} (mean of its last {len(tail)} steps)"
-    note = "" if value > 0 else "target <= 0: the sync run shows no success to reach; times are undefined"
-    return {"value": value, "how": how, "window": args.window, "defined": value > 0, "note": note}
+        value = float(args.target_success)
+        return {**base, "value": value, "how": "fixed (--target-success)", "defined": True, "note": ""}
+    if len(series) < len(sync_series):
+        note = f"a sync run has no {args.metric} success rows; times are undefined"
+        return {**base, "value": None, "how": "", "defined": False, "note": note}
+    start = sum(s[0][1] for s in series) / len(series)
+    final = sum(s[-1][1] for s in series) / len(series)
+    value = start + args.target_fraction * (final - start)
+    how = (
+        f"start {start:.4f} + {args.target_fraction} x the sync gain ({final:.4f} - {start:.4f}), "
+        f"means over {len(series)} seed(s)"
+    )
+    defined = final > start
+    note = "" if defined else "the sync runs gained no success: times are undefined"
+    return {**base, "value": value, "how": how, "defined": defined, "note": note}
 
 
-def time_to_target(rows: list[dict[str, Any]], target: dict[str, Any]) -> float | None:
+def time_to_target(series: Series, target: dict[str, Any]) -> float | None:
     if not target["defined"]:
         return None
-    means = trailing_means([float(r["train_success"]) for r in rows], int(target["window"]))
-    return next((float(r["wall_s"]) for r, m in zip(rows, means, strict=True) if m >= target["value"]), None)
+    return next((wall for wall, value in series if value >= target["value"]), None)
 
 
-def mode_result(run_dir: Path, target: dict[str, Any]) -> dict[str, Any]:
+def seed_result(run_dir: Path, args: argparse.Namespace, target: dict[str, Any]) -> dict[str, Any]:
     from rollart_hpc.metrics.report import busy_fractions, load_run, overall_throughput, write_report
     from rollart_hpc.metrics.timeline import role_busy_fractions, window
 
@@ -136,6 +169,7 @@ def mode_result(run_dir: Path, target: dict[str, Any]) -> dict[str, Any]:
     span = window(run.timelines)
     write_report(run_dir)
     t = overall_throughput(run.rows)
+    series = success_series(run.rows, run.eval_rows, args.metric, args.window)
     return {
         "run_dir": str(run_dir),
         "steps": len(run.rows),
@@ -144,12 +178,39 @@ def mode_result(run_dir: Path, target: dict[str, Any]) -> dict[str, Any]:
         "wall_s": t["wall_s"],
         "trajectories_per_s": t["trajectories_per_s"],
         "tokens_per_s": t["tokens_per_s"],
-        "final_success": run.rows[-1]["train_success"] if run.rows else None,
-        "time_to_target_s": time_to_target(run.rows, target),
+        "final_success": series[-1][1] if series else None,
+        "series": series,
+        "time_to_target_s": time_to_target(series, target),
         "busy_fraction_by_role": role_busy_fractions(run.timelines, *span) if span else {},
         "busy_fraction_by_rank": busy_fractions(run),
         "staleness": (run.summary or {}).get("staleness", {}),
         "balanced": (run.summary or {}).get("balanced"),
+    }
+
+
+def mode_result(seeds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Means over a mode's seeds (time to target only when every seed reached it), and every seed."""
+
+    def mean(key: str) -> float:
+        return sum(float(r[key]) for r in seeds) / len(seeds)
+
+    times = [r["time_to_target_s"] for r in seeds]
+    finals = [r["final_success"] for r in seeds]
+    return {
+        "seeds": seeds,
+        "steps": seeds[0]["steps"],
+        "trained_trajectories": seeds[0]["trained_trajectories"],
+        "wall_s": mean("wall_s"),
+        "trajectories_per_s": mean("trajectories_per_s"),
+        "tokens_per_s": mean("tokens_per_s"),
+        "final_success": None if None in finals else sum(finals) / len(finals),
+        "time_to_target_s": None if None in times else sum(times) / len(times),
+        "time_to_target_per_seed_s": times,
+        "busy_fraction_by_role": {
+            role: sum(r["busy_fraction_by_role"].get(role, 0.0) for r in seeds) / len(seeds)
+            for role in seeds[0]["busy_fraction_by_role"]
+        },
+        "balanced": all(r["balanced"] for r in seeds),
     }
 
 
@@ -163,21 +224,25 @@ def add_speedups(results: dict[str, dict[str, Any]]) -> None:
 
 
 # ---- plots ------------------------------------------------------------------------------------------
-def plot_reward(run_dirs: dict[str, Path], target: dict[str, Any], path: Path) -> Path:
-    from rollart_hpc.metrics.report import load_run, pyplot, save_figure
+def plot_reward(results: dict[str, dict[str, Any]], target: dict[str, Any], path: Path) -> Path:
+    from rollart_hpc.metrics.report import pyplot, save_figure
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for mode, run_dir in run_dirs.items():
-        rows = load_run(run_dir).rows
-        means = trailing_means([float(r["train_success"]) for r in rows], int(target["window"]))
-        ax.plot([r["wall_s"] for r in rows], means, marker=".", label=mode)
+    for index, (mode, result) in enumerate(results.items()):
+        for k, seed in enumerate(result["seeds"]):
+            walls = [wall for wall, _ in seed["series"]]
+            values = [value for _, value in seed["series"]]
+            ax.plot(walls, values, marker=".", color=f"C{index}", label=mode if k == 0 else None, alpha=0.8)
     if target["defined"]:
         ax.axhline(target["value"], color="grey", linestyle="--", label="target")
-    ax.set(
-        xlabel="wall-clock since RL start (s)", ylabel=f"train success (trailing mean of {target['window']})"
+    what = (
+        "eval success"
+        if target["metric"] == "eval"
+        else f"train success (trailing mean of {target['window']})"
     )
-    ax.set_title("training success vs wall-clock")
+    ax.set(xlabel="wall-clock since RL start (s)", ylabel=what)
+    ax.set_title(f"{what} vs wall-clock, every seed")
     ax.legend()
     return save_figure(fig, path)
 
@@ -214,6 +279,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
         )
     if args.steps < 1 or args.batch < 1 or args.window < 1:
         raise UsageError("--steps, --batch and --window must be >= 1")
+    seeds(args)
     if not 0 < args.target_fraction <= 1:
         raise UsageError(f"--target-fraction must lie in (0, 1], got {args.target_fraction}")
     if not args.config.is_file():
@@ -224,26 +290,58 @@ def check_args(args: argparse.Namespace) -> list[str]:
     return ["sync", *[m for m in MODES if m in modes and m != "sync"]]
 
 
+def seeds(args: argparse.Namespace) -> list[int]:
+    try:
+        values = [int(v) for v in args.seeds.split(",")]
+    except ValueError:
+        raise UsageError(f"--seeds {args.seeds!r}: expected comma-separated integers, e.g. 0,1,2") from None
+    if len(set(values)) != len(values):
+        raise UsageError(f"--seeds {args.seeds!r}: a seed is repeated")
+    return values
+
+
+def check_metric(args: argparse.Namespace) -> None:
+    """--metric eval needs evaluation rounds in the runs' config."""
+    if args.metric != "eval":
+        return
+    from rollart_hpc.config import load_config
+
+    config = load_config(str(args.config), list(args.overrides))
+    if config.controller.eval_every_steps <= 0:
+        raise UsageError(
+            "--metric eval needs evaluation rounds: controller.eval_every_steps > 0 "
+            "(in the config or as an override), or --metric train"
+        )
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     modes = check_args(args)
+    check_metric(args)
     out_dir = args.out_dir or args.json.with_name(args.json.stem + "-runs")
     out_dir.mkdir(parents=True, exist_ok=True)
-    run_dirs = {mode: run_mode(args, mode, out_dir) for mode in modes}
+    run_dirs = {mode: [run_mode(args, mode, seed, out_dir) for seed in seeds(args)] for mode in modes}
     from rollart_hpc.metrics.report import load_run
 
-    target = pick_target(args, load_run(run_dirs["sync"]).rows)
-    results = {mode: mode_result(run_dir, target) for mode, run_dir in run_dirs.items()}
+    sync_series = []
+    for run_dir in run_dirs["sync"]:
+        run = load_run(run_dir)
+        sync_series.append(success_series(run.rows, run.eval_rows, args.metric, args.window))
+    target = pick_target(args, sync_series)
+    results = {
+        mode: mode_result([seed_result(d, args, target) for d in dirs]) for mode, dirs in run_dirs.items()
+    }
     add_speedups(results)
+    first = {mode: dirs[0] for mode, dirs in run_dirs.items()}
     plots = {
-        "reward": str(plot_reward(run_dirs, target, args.json.with_name(args.json.stem + "-reward.png"))),
-        "utilisation": str(
-            plot_utilisation(run_dirs, args.json.with_name(args.json.stem + "-utilisation.png"))
-        ),
+        "reward": str(plot_reward(results, target, args.json.with_name(args.json.stem + "-reward.png"))),
+        "utilisation": str(plot_utilisation(first, args.json.with_name(args.json.stem + "-utilisation.png"))),
     }
     workload = {
         "config": str(args.config),
         "steps": args.steps,
         "batch": args.batch,
+        "seeds": seeds(args),
+        "metric": args.metric,
         "latency": {"dist": args.latency, "scale_s": args.latency_scale_s, "max_s": args.latency_max_s},
         "overrides": list(args.overrides),
     }
