@@ -38,7 +38,14 @@ def _worker(model_dir: str, out: str, store: str, load_from: str) -> None:
 
     rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    cfg = TrainerConfig(optim=OptimConfig(lr=1e-3), micro_batch_tokens=48, collective_timeout_s=120)
+    # The plain optimizer: every rank then holds the whole reduced gradient (`grad_buffer`); the distributed
+    # optimizer is pinned by test_train_layouts_mpi.py.
+    cfg = TrainerConfig(
+        optim=OptimConfig(lr=1e-3),
+        micro_batch_tokens=48,
+        collective_timeout_s=120,
+        distributed_optimizer=False,
+    )
     trainer = Trainer(model_dir, cfg)
     batch = _global_batch(trainer.config.vocab_size)
     shard = split_across_ranks(batch, world)[rank]

@@ -10,9 +10,11 @@ kernels' `KernelLossConfig` and picks the implementation by the type of `source`
 - token log-probs [T] with gradient: the torch reference (the trainer's path: its model computes the
   log-probs, then `ppo_token_terms` runs in torch);
 - `LMHeadInputs` (final hidden states [T, H], LM-head weight [V, H], targets [T]): the fused kernel
-  `rollart_hpc.kernels.fused_token_terms`, which never materialises the [T, V] logits. The trainer does
-  not use it yet: it plugs in where `Trainer._token_logprobs` runs the Megatron model, which would have
-  to return the hidden states before the output layer and that layer's weight instead of log-probs.
+  `rollart_hpc.kernels.fused_token_terms`, which never materialises the [T, V] logits. The trainer
+  takes the first path with `trainer.loss_impl = "fused"` too: `rollart_hpc.train.lm_head` computes its
+  token log-probs from the hidden states and the (vocabulary-parallel) LM-head shard a chunk at a time,
+  so it never builds [T, V] logits either; this second path (the whole loss fused with the LM head)
+  stays for callers that hold an unsharded LM head, and is pinned equal to the first by the tests.
 
 Both feed the same `reduce_token_terms`, so loss and diagnostics mean the same on either path.
 Invariant: summing the outputs of any split of a batch (micro-batches, ranks) gives the loss and

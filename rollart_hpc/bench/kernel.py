@@ -9,6 +9,13 @@ correctness only: the Triton kernel runs under the interpreter, and `max_rel_err
 `TRITON_INTERPRET=1`, the command re-executes itself with the variable set (it must be set before triton
 is imported). Relative error = max |x - ref| / max |ref| over each compared tensor.
 
+`--trainer-loss` benchmarks the trainer's own entry point instead (`rollart_hpc.train.lm_head.token_logprobs`
+then `rollart_hpc.algo.loss.policy_loss`, fwd+bwd, on CPU by default at T=2048, H=256, V=32768, fp32, a
+quarter of the tokens masked as observations): loss_impl "fused" against "eager" (full logits and
+Megatron's vocab-parallel cross-entropy), time per step and peak resident memory *measured* per step
+(the kernel's peak-RSS counter VmHWM is reset through /proc/self/clear_refs before each step and read
+after it; reported above the RSS at the reset), and the relative errors of fused against eager.
+
 Inputs are built so that every token carries gradient (all action tokens, old log-probs within +-0.05 of
 the current ones), so the fused backward cannot skip work that the FLOP count includes.
 """
@@ -30,6 +37,7 @@ from rollart_hpc.contracts.errors import UsageError
 
 GPU_SHAPE = (32768, 4096, 151936)
 CPU_SHAPE = (48, 32, 100)
+TRAINER_SHAPE = (2048, 256, 32768)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (compilation)")
     parser.add_argument("--no-eager", action="store_true", help="skip the eager full-logits baseline")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trainer-loss",
+        action="store_true",
+        help="the trainer's loss entry point, fused vs eager: time and measured peak memory per step",
+    )
 
 
 def _needs_interpreter(args: argparse.Namespace, cuda: bool) -> bool:
@@ -250,9 +263,116 @@ def _run_cpu(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS counter (VmHWM) to the current RSS; return that RSS in KiB."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS")
+
+
+def _measure_rss(step: Callable[[], tuple[Any, ...]], warmup: int, repeats: int) -> dict[str, Any]:
+    """Median wall time of `step` and the largest measured peak RSS of one step above its start."""
+    import gc
+
+    for _ in range(warmup):
+        step()
+    times, peaks = [], []
+    for _ in range(repeats):
+        gc.collect()
+        base = _reset_peak_rss()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        peaks.append(_status_kib("VmHWM") - base)
+    return {
+        "time_ms": 1e3 * statistics.median(times),
+        "times_ms": [1e3 * t for t in times],
+        "peak_rss_mib_above_start": max(peaks) / 1024,
+    }
+
+
+def _trainer_inputs(spec: dict[str, Any], seed: int) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    nt, nh, nv = spec["T"], spec["H"], spec["V"]
+    mask = torch.ones(nt, dtype=torch.bool)
+    mask[::4] = False  # observation tokens: weight 0 in the loss
+    return {
+        "hidden": torch.randn(nt, nh, generator=gen),
+        "weight": torch.randn(nv, nh, generator=gen) * nh**-0.5,
+        "targets": torch.randint(0, nv, (nt,), generator=gen),
+        "batch": argparse.Namespace(
+            action_mask=mask,
+            behaviour_logprobs=torch.where(mask, -torch.rand(nt, generator=gen) * 12, 0.0),
+            advantages=torch.where(mask, torch.randn(nt, generator=gen), 0.0),
+        ),
+    }
+
+
+def _trainer_step(data: dict[str, Any], impl: str) -> Callable[[], tuple[Any, ...]]:
+    from rollart_hpc.algo.loss import LossConfig, policy_loss
+    from rollart_hpc.train.lm_head import token_logprobs
+
+    batch = data["batch"]
+    denom = int(batch.action_mask.sum())
+
+    def step() -> tuple[Any, ...]:
+        hidden = data["hidden"].detach().requires_grad_(True)
+        weight = data["weight"].detach().requires_grad_(True)
+        lp = token_logprobs(impl, hidden, weight, data["targets"], weight.shape[0], 1, 600.0)
+        loss, _ = policy_loss(lp, batch, LossConfig(), denom)
+        loss.backward()
+        return loss.detach(), lp.detach(), hidden.grad, weight.grad
+
+    return step
+
+
+def _run_trainer_loss(args: argparse.Namespace) -> dict[str, Any]:
+    """fused vs eager through the trainer's loss entry point on one CPU rank (a 1-rank gloo world)."""
+    import torch
+    import torch.distributed as dist
+
+    from rollart_hpc.train.model import ensure_model_parallel
+
+    sizes = [
+        g if g is not None else d
+        for g, d in zip((args.tokens, args.hidden, args.vocab), TRAINER_SHAPE, strict=True)
+    ]
+    if min(sizes) < 1 or args.repeats < 1 or args.warmup < 0:
+        raise UsageError("--tokens/--hidden/--vocab/--repeats must be >= 1 and --warmup >= 0")
+    spec: dict[str, Any] = {"device": "cpu", "T": sizes[0], "H": sizes[1], "V": sizes[2], "dtype": "float32"}
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ensure_model_parallel(args.seed)
+    torch.manual_seed(args.seed)
+    data = _trainer_inputs(spec, args.seed)
+    fused, eager = _trainer_step(data, "fused"), _trainer_step(data, "eager")
+    result: dict[str, Any] = {**spec, "mode": "trainer_loss", "entry_point": "train.lm_head.token_logprobs"}
+    result["fused"] = _measure_rss(fused, args.warmup, args.repeats)
+    result["eager"] = _measure_rss(eager, args.warmup, args.repeats)
+    result["eager_logits_mib"] = spec["T"] * spec["V"] * 4 / 2**20
+    result["peak_ratio_eager_over_fused"] = result["eager"]["peak_rss_mib_above_start"] / max(
+        result["fused"]["peak_rss_mib_above_start"], 1e-9
+    )
+    result.update(_errors(fused(), eager()))
+    result["errors_against"] = "eager, float32"
+    return result
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    if getattr(args, "trainer_loss", False):
+        result = _run_trainer_loss(args)
+        result.update(torch=torch.__version__, python=platform.python_version(), host=platform.node())
+        return _emit(result, args)
     cuda = torch.cuda.is_available()
     spec = _resolve(args, cuda)
     if spec["device"] == "cpu" and _needs_interpreter(args, cuda):
@@ -260,6 +380,10 @@ def main(args: argparse.Namespace) -> int:
     runner = _run_gpu if spec["device"] == "cuda" else _run_cpu
     result = {**spec, "impl": args.impl, "flop_count": "8*T*H*V", **runner(spec, args)}
     result.update(torch=torch.__version__, python=platform.python_version(), host=platform.node())
+    return _emit(result, args)
+
+
+def _emit(result: dict[str, Any], args: argparse.Namespace) -> int:
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

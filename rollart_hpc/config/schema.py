@@ -624,6 +624,28 @@ class TrainingConfig:
     num_minibatches: int = doc_field(
         1, "Minibatches per PPO epoch, one optimizer step each (a trainer rank's sequences split evenly)."
     )
+    tensor_parallel: int = doc_field(
+        1,
+        "Tensor-parallel size (Megatron); must divide the model's heads and vocabulary. Data parallel = "
+        "roles.trainer.num_ranks / (tensor_parallel x pipeline_parallel).",
+    )
+    pipeline_parallel: int = doc_field(
+        1, "Pipeline-parallel stages (Megatron 1F1B schedule); must divide the model's layers."
+    )
+    sequence_parallel: bool = doc_field(
+        False,
+        "Shard activations outside the tensor-parallel matmuls along the sequence (tensor_parallel > 1).",
+    )
+    loss_impl: Literal["fused", "eager"] = doc_field(
+        "fused",
+        "'fused': log-probs and loss from the last hidden states and the LM-head weight, never the "
+        "[tokens, vocab] logits (Triton on CUDA, chunked torch on CPU; vocabulary-parallel under TP); "
+        "'eager': the model's own (vocab-parallel) cross-entropy over full logits.",
+    )
+    distributed_optimizer: bool = doc_field(
+        True, "Shard the Adam states over the data-parallel ranks (Megatron's distributed optimizer)."
+    )
+    overlap_grad_reduce: bool = doc_field(True, "Reduce gradient buckets while backward runs (Megatron DDP).")
 
     def validate(self, path: str) -> None:
         if self.lr <= 0 or self.sft_lr <= 0 or self.micro_batch_tokens < 64 or self.sft_steps < 0:
@@ -631,6 +653,23 @@ class TrainingConfig:
         if self.ppo_epochs < 1 or self.num_minibatches < 1:
             raise UsageError(
                 f"{path}: ppo_epochs and num_minibatches must be >= 1, got {self.ppo_epochs}, {self.num_minibatches}"
+            )
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
+            raise UsageError(
+                f"{path}.tensor_parallel, {path}.pipeline_parallel: must be >= 1, "
+                f"got {self.tensor_parallel}, {self.pipeline_parallel}"
+            )
+
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise UsageError(f"{path}.sequence_parallel: needs {path}.tensor_parallel > 1")
+
+    def validate_layout(self, path: str, num_ranks: int) -> None:
+        """The trainer ranks must split into whole tensor x pipeline groups (the rest is data parallel)."""
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if num_ranks % model_parallel:
+            raise UsageError(
+                f"{path}.tensor_parallel x {path}.pipeline_parallel = {model_parallel} must divide "
+                f"roles.trainer.num_ranks = {num_ranks}"
             )
 
 

@@ -1,6 +1,9 @@
-"""`launch.py resume RUN_DIR [--max-restarts N]`: restart a stopped or crashed local run from its last complete checkpoint.
+"""`launch.py resume RUN_DIR [KEY=VALUE ...] [--max-restarts N]`: restart a stopped or crashed local run from its last complete checkpoint.
 
-The run directory's resolved config is used as it is (no overrides: the run must stay the run it was).
+The run directory's resolved config is used as it is: the run must stay the run it was. Only the
+trainer's layout may change (`LAYOUT_KEYS`: trainer ranks, tensor and pipeline parallel sizes, the
+distributed optimizer and gradient overlap); the trainer checkpoint is stored under global keys and loads
+at any layout. Such overrides are validated like `run`'s and rewrite the resolved files before the start.
 Every rank starts again; the controller finds the newest checkpoint, truncates the trajectory store and
 metrics back to it, dispatches again the trajectories that were in flight, and continues. Before that,
 the model, the checkpoint (written under the same config) and the trajectory store are checked
@@ -15,10 +18,33 @@ from pathlib import Path
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.entry import restarts
 
+LAYOUT_KEYS = (
+    "roles.trainer.num_ranks",
+    "trainer.tensor_parallel",
+    "trainer.pipeline_parallel",
+    "trainer.distributed_optimizer",
+    "trainer.overlap_grad_reduce",
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="run directory of an earlier `launch.py run`")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help=f"a new trainer layout: {', '.join(LAYOUT_KEYS)}"
+    )
     restarts.add_argument(parser)
+
+
+def _relayout(run_dir: Path, overrides: list[str]) -> None:
+    """Apply trainer-layout overrides to the run's resolved config (validated, written atomically)."""
+    from rollart_hpc.config.resolve import RESOLVED_NAME, load_config, write_resolved
+
+    for item in overrides:
+        if item.split("=", 1)[0] not in LAYOUT_KEYS:
+            raise UsageError(
+                f"resume override {item!r}: only the trainer layout may change ({', '.join(LAYOUT_KEYS)})"
+            )
+    write_resolved(load_config(run_dir / RESOLVED_NAME, overrides), run_dir)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -34,6 +60,8 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"{run_dir} is not a run directory (no {RESOLVED_NAME})")
     if (run_dir / "summary.json").exists():
         raise UsageError(f"{run_dir} holds a finished run (summary.json); nothing to resume")
+    if args.overrides:
+        _relayout(run_dir, args.overrides)
     config = read_resolved(run_dir)
     if config.run.job != "rl":
         raise UsageError(f"only RL runs resume; {run_dir} ran job {config.run.job!r}")

@@ -178,11 +178,13 @@ class PaddedRows(NamedTuple):
     flat_index: torch.Tensor
 
 
-def to_padded_rows(batch: PackedBatch) -> PaddedRows:
-    """Rows [b, s] with s = the longest sequence; right padding with token 0 (never attended by the
-    valid positions under a causal mask)."""
+def to_padded_rows(batch: PackedBatch, multiple: int = 1) -> PaddedRows:
+    """Rows [b, s] with s = the longest sequence rounded up to `multiple` (sequence parallelism splits
+    s over the tensor-parallel ranks); right padding with token 0 (never attended by the valid
+    positions under a causal mask)."""
     b = batch.num_sequences
     s = max(int(batch.lengths.max()), 1) if b else 1
+    s = -(-s // multiple) * multiple
     pos = torch.arange(s).expand(b, s)
     starts, lengths = batch.cu_seqlens[:-1, None], batch.lengths[:, None]
     valid = pos < lengths
@@ -195,3 +197,28 @@ def to_padded_rows(batch: PackedBatch) -> PaddedRows:
     targets = torch.where(target_valid, batch.tokens[flat_index], 0)
     target_mask = target_valid & batch.action_mask[flat_index]
     return PaddedRows(input_ids, targets, target_mask, target_valid, flat_index)
+
+
+def concat(batches: list[PackedBatch]) -> PackedBatch:
+    """The sequences of `batches`, in order, as one batch (the inverse of splitting into contiguous parts)."""
+    if not batches:
+        raise ValueError("concat needs at least one batch")
+    offsets = [0]
+    for b in batches:
+        offsets.append(offsets[-1] + b.num_tokens)
+    cu = torch.cat(
+        [batches[0].cu_seqlens[:1]] + [b.cu_seqlens[1:] + o for b, o in zip(batches, offsets, strict=False)]
+    )
+    ids = (
+        tuple(i for b in batches for i in b.seq_ids)
+        if all(b.seq_ids or not b.num_sequences for b in batches)
+        else ()
+    )
+    return PackedBatch(
+        tokens=torch.cat([b.tokens for b in batches]),
+        cu_seqlens=cu,
+        action_mask=torch.cat([b.action_mask for b in batches]),
+        behaviour_logprobs=torch.cat([b.behaviour_logprobs for b in batches]),
+        advantages=torch.cat([b.advantages for b in batches]),
+        seq_ids=ids,
+    )

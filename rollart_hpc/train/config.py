@@ -7,14 +7,15 @@ from dataclasses import dataclass, field
 from rollart_hpc.config.schema import TrainingConfig
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+LOSS_IMPLS = ("fused", "eager")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """torch.optim.AdamW settings.
+    """Adam settings of Megatron's optimizer (torch AdamW underneath; decoupled weight decay).
 
     weight_decay applies to matrices only (dim >= 2); norm weights and biases are never decayed.
-    grad_clip: the summed gradient is rescaled to this global L2 norm when larger; 0 disables clipping.
+    grad_clip: Megatron's clipping rescales the step's gradient to this global L2 norm when larger; 0 off.
     """
 
     lr: float = 1e-5
@@ -41,6 +42,12 @@ class TrainerConfig:
     seed: Megatron's RNG tracker seed. collective_timeout_s: bound on every collective and barrier.
     ppo_epochs, num_minibatches: PPO updates of an RL step (epochs over the batch x minibatches per
     epoch; `Trainer.rl_step`); 1 and 1 = one optimizer step per batch.
+    tensor_parallel, pipeline_parallel: Megatron's model-parallel layout; the trainer ranks divided by
+    their product form the data-parallel replicas; sequence_parallel shards the activations outside the
+    tensor-parallel matmuls along the sequence (TP > 1). loss_impl: "fused" (log-probs from the last hidden
+    states and the LM head, never [tokens, vocab] logits) or "eager" (the model's cross-entropy).
+    distributed_optimizer: shard Adam states over data-parallel ranks; overlap_grad_reduce: reduce
+    gradient buckets during backward; ddp_bucket_elements: DDP bucket size (None: Megatron's default).
     """
 
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -50,8 +57,24 @@ class TrainerConfig:
     collective_timeout_s: float = 600.0
     ppo_epochs: int = 1
     num_minibatches: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    sequence_parallel: bool = False
+    loss_impl: str = "fused"
+    distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = True
+    ddp_bucket_elements: int | None = None
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
+            raise ValueError(
+                f"tensor_parallel and pipeline_parallel must be >= 1, got {self.tensor_parallel}, "
+                f"{self.pipeline_parallel}"
+            )
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError("sequence_parallel needs tensor_parallel > 1")
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {self.loss_impl!r}")
         if self.ppo_epochs < 1 or self.num_minibatches < 1:
             raise ValueError(
                 f"ppo_epochs and num_minibatches must be >= 1, got {self.ppo_epochs}, {self.num_minibatches}"
@@ -75,4 +98,10 @@ class TrainerConfig:
             collective_timeout_s=timeout_s,
             ppo_epochs=section.ppo_epochs,
             num_minibatches=section.num_minibatches,
+            tensor_parallel=section.tensor_parallel,
+            pipeline_parallel=section.pipeline_parallel,
+            sequence_parallel=section.sequence_parallel,
+            loss_impl=section.loss_impl,
+            distributed_optimizer=section.distributed_optimizer,
+            overlap_grad_reduce=section.overlap_grad_reduce,
         )

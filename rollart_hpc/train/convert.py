@@ -8,6 +8,8 @@ Invariants: HF -> Megatron -> HF is bit-exact (only views, slices and concatenat
 interleaved per query group `[q heads of g; k_g; v_g]`; fc1 is `cat([gate, up])` per tensor-parallel rank;
 RoPE needs no row permutation (Megatron's rotate-half equals HF's). Tensor parallelism: column-parallel
 weights (qkv, fc1, embedding, output layer) are split on dim 0, row-parallel ones (proj, fc2) on dim 1.
+The embedding and output layer carry zero rows up to `padded_vocab_size` (dropped again on the way out).
+Pipeline parallelism: `to_stage` / `from_stage` keep a stage's layers and renumber them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ EMBED, FINAL_NORM, OUTPUT = (
     "decoder.final_layernorm.weight",
     "output_layer.weight",
 )
+VOCAB_MULTIPLE = 128
 HF_EMBED, HF_NORM, HF_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 # Norm weights: local-spec name -> Transformer-Engine (fused) name, relative to decoder.layers.{i}.
 NORM_ALIASES = {
@@ -84,7 +87,7 @@ def megatron_args(cfg: ModelConfig, tensor_parallel: int = 1) -> MegatronArgs:
         "tensor_model_parallel_size": tensor_parallel,
     }
     gpt = {
-        "vocab_size": cfg.vocab_size,
+        "vocab_size": padded_vocab_size(cfg.vocab_size),
         "max_sequence_length": cfg.max_position_embeddings,
         "position_embedding_type": "rope",
         "rotary_base": int(cfg.rope_theta),
@@ -108,12 +111,76 @@ def qkv_split(w: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Te
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def _check_tp(cfg: ModelConfig, tp_size: int) -> None:
-    if tp_size < 1 or cfg.num_kv_heads % tp_size or cfg.vocab_size % tp_size:
+def padded_vocab_size(vocab_size: int) -> int:
+    """Megatron's vocabulary: the HF one rounded up to a multiple of `VOCAB_MULTIPLE`, the same for every
+    tensor-parallel size (so checkpoints move between layouts). The padding rows of the embedding and
+    the head are zero and their logits are masked out of every softmax."""
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
+    """ValueError unless `tp_size` divides the heads and the padded vocabulary, and the key/value groups
+    divide or are divided by it (fewer groups than ranks: Megatron gathers the fused qkv, picks its group)."""
+    groups_ok = tp_size >= 1 and (cfg.num_kv_heads % tp_size == 0 or tp_size % cfg.num_kv_heads == 0)
+    if not groups_ok or cfg.num_heads % tp_size or padded_vocab_size(cfg.vocab_size) % tp_size:
         raise ValueError(
-            f"tensor parallel size {tp_size} must divide num_kv_heads {cfg.num_kv_heads} "
-            f"and vocab_size {cfg.vocab_size}"
+            f"tensor parallel size {tp_size} must divide num_heads {cfg.num_heads} and the padded vocabulary "
+            f"{padded_vocab_size(cfg.vocab_size)}, and divide or be a multiple of num_kv_heads {cfg.num_kv_heads}"
         )
+
+
+def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    if weight.shape[0] == rows:
+        return weight
+    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
+
+
+_check_tp = check_tensor_parallel
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The global decoder-layer indices of pipeline stage `pp_rank` (equal, contiguous slices)."""
+    if pp_size < 1 or num_layers % pp_size:
+        raise ValueError(f"pipeline parallel size {pp_size} must divide num_layers {num_layers}")
+    per = num_layers // pp_size
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def _renumber(key: str, shift: int) -> str:
+    prefix = "decoder.layers."
+    if not key.startswith(prefix):
+        return key
+    index, rest = key[len(prefix) :].split(".", 1)
+    return f"{prefix}{int(index) + shift}.{rest}"
+
+
+def to_stage(
+    full: dict[str, torch.Tensor], layers: range, first: bool, last: bool, tied: bool
+) -> dict[str, torch.Tensor]:
+    """A whole-model (one TP shard) state dict -> the state dict of the pipeline stage holding `layers`
+    (local layer numbers). A last stage that is not the first holds its own copy of a tied embedding
+    as `output_layer.weight` (Megatron keeps the two in step by all-reducing their gradients)."""
+    out = {}
+    for key, value in full.items():
+        if key.startswith("decoder.layers."):
+            index = int(key.split(".")[2])
+            if index in layers:
+                out[_renumber(key, -layers.start)] = value
+        elif (key == EMBED and first) or (key in (FINAL_NORM, OUTPUT) and last):
+            out[key] = value
+    if tied and last and not first:
+        out[OUTPUT] = full[EMBED]
+    return out
+
+
+def from_stage(
+    stage: dict[str, torch.Tensor], layers: range, first: bool, tied: bool
+) -> dict[str, torch.Tensor]:
+    """Inverse of `to_stage`: global layer numbers; a tied embedding's copy on the last stage dropped."""
+    out = {_renumber(k, layers.start): v for k, v in stage.items()}
+    if tied and not first:
+        out.pop(OUTPUT, None)
+    return out
 
 
 def _layer_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig, i: int, rank: int, tp: int) -> dict:
@@ -142,12 +209,13 @@ def hf_to_megatron(
 ) -> dict[str, torch.Tensor]:
     """HF weights (tied head already dropped) -> the local-spec state dict of tensor-parallel rank `tp_rank`."""
     _check_tp(cfg, tp_size)
+    rows = padded_vocab_size(cfg.vocab_size)
     out = {
-        EMBED: hf[HF_EMBED].chunk(tp_size, 0)[tp_rank],
+        EMBED: _pad_rows(hf[HF_EMBED], rows).chunk(tp_size, 0)[tp_rank],
         FINAL_NORM: hf[HF_NORM],
     }
     if not cfg.tie_word_embeddings:
-        out[OUTPUT] = hf[HF_HEAD].chunk(tp_size, 0)[tp_rank]
+        out[OUTPUT] = _pad_rows(hf[HF_HEAD], rows).chunk(tp_size, 0)[tp_rank]
     for i in range(cfg.num_layers):
         out.update(_layer_to_megatron(hf, cfg, i, tp_rank, tp_size))
     return {k: v.contiguous() for k, v in out.items()}
@@ -178,15 +246,24 @@ def _layer_to_hf(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig, i: int
     return out
 
 
-def megatron_to_hf(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Megatron state dicts of all tensor-parallel ranks, in rank order -> HF weights (no tied lm_head)."""
+def megatron_to_hf(
+    shards: list[dict[str, torch.Tensor]], cfg: ModelConfig, layers: range | None = None
+) -> dict[str, torch.Tensor]:
+    """Megatron state dicts of all tensor-parallel ranks, in rank order -> HF weights (no tied lm_head).
+
+    `layers`: the global layer numbers the shards hold (None: the whole model, every tensor required);
+    with a range, the embedding, final norm and output layer are converted where present (a stage)."""
     _check_tp(cfg, len(shards))
-    out = {
-        HF_EMBED: torch.cat([s[EMBED] for s in shards], 0),
-        HF_NORM: shards[0][FINAL_NORM],
-    }
-    if not cfg.tie_word_embeddings:
-        out[HF_HEAD] = torch.cat([s[OUTPUT] for s in shards], 0)
-    for i in range(cfg.num_layers):
+    whole = layers is None
+    first = shards[0]
+    out = {}
+    vocab = cfg.vocab_size
+    if whole or EMBED in first:
+        out[HF_EMBED] = torch.cat([s[EMBED] for s in shards], 0)[:vocab]
+    if whole or FINAL_NORM in first:
+        out[HF_NORM] = first[FINAL_NORM]
+    if not cfg.tie_word_embeddings and (whole or OUTPUT in first):
+        out[HF_HEAD] = torch.cat([s[OUTPUT] for s in shards], 0)[:vocab]
+    for i in range(cfg.num_layers) if layers is None else layers:
         out.update(_layer_to_hf(shards, cfg, i))
     return {k: v.contiguous() for k, v in out.items()}

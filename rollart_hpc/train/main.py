@@ -1,7 +1,7 @@
 """Trainer rank of an RL run: warm start, then one SPO++ optimizer step per batch, publishing each version.
 
 Start: the first trainer joins the weights group (with the rollout ranks); form the default
-torch.distributed group of the trainer ranks (Megatron's data-parallel world),
+torch.distributed group of the trainer ranks (split by Megatron into TP x PP x DP),
 wait for START (the initial model), warm-start with supervised steps on oracle demonstrations, save the
 warm model (first trainer), report READY; the first trainer then opens the weight sender
 (`rollart_hpc.weights.transport`). Loop: BATCH (this rank's shard of step n) -> `rl_step` -> the first
@@ -62,8 +62,7 @@ def init_trainer_group(ctx: RunContext) -> None:
 
 
 def set_lr(trainer: Trainer, lr: float) -> None:
-    for group in trainer.optimizer.param_groups:
-        group["lr"] = lr
+    trainer.set_lr(lr)
 
 
 def demonstrations(config: Config, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]:
@@ -133,10 +132,11 @@ def rl_loop(config: Config, ctx: RunContext, trainer: Trainer, sender: WeightSen
         start = time.perf_counter()
         span_start = time.time()
         report = trainer.rl_step(shard_to_batch(shard), shard.num_global_action_tokens, cfg)
+        weights = trainer.hf_state_dict()  # all ranks: the model-parallel shards meet on the first trainer
         if sender is not None:
             # Announced, then packed and sent in the background: hf_state_dict() returns fresh copies that
             # nothing changes, so the sender does not copy them again while the trainer waits.
-            sender.publish(shard.step + 1, trainer.hf_state_dict(), snapshot=False)
+            sender.publish(shard.step + 1, weights, snapshot=False)
             step_report = StepReport(shard.step, time.perf_counter() - start, report)
             mailbox.send(step_report, 0, Tag.TRAINED)
         busy_s += time.perf_counter() - start
@@ -155,7 +155,6 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
     from rollart_hpc.weights.transport import GroupWeightSender, announce_to, join_run_weight_group  # torch
 
-    first = ctx.world.rank == ctx.ranks["trainer"][0]
     group = join_run_weight_group(ctx)  # first of all, as the rollout ranks do (None off the first trainer)
     import torch
     from transformers import AutoTokenizer
@@ -181,13 +180,13 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
         ctx.log.info(f"restored trainer checkpoint {start.resume} (optimizer step {step})")
         current = run_dir / "model" / f"resumed-{Path(start.resume).parent.name}"
     set_lr(trainer, config.trainer.lr)
-    if first:
-        trainer.save_hf(current)
+    trainer.save_hf(current)  # all ranks gather; the first trainer writes
     ctx.mailbox.send(Ready(str(current), time.perf_counter() - started), 0, Tag.READY)
     sender = None
+    initial = trainer.hf_state_dict()
     if group is not None:
         announce = announce_to(ctx.mailbox, ctx.ranks["rollout"], Tag.WEIGHTS, WeightAnnouncement)
-        sender = GroupWeightSender.open(group, trainer.hf_state_dict(), config.trainer.bucket_mb, announce)
+        sender = GroupWeightSender.open(group, initial, config.trainer.bucket_mb, announce)
     busy_s = rl_loop(config, ctx, trainer, sender)
     ctx.mailbox.send(RankStats("trainer", busy_s), 0, Tag.STATS)
     ctx.mailbox.flush()

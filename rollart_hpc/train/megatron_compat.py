@@ -12,6 +12,11 @@ Megatron model or calling `model_parallel_cuda_manual_seed`.
    tensor itself; `torch.cuda.synchronize` / `empty_cache` do nothing.
 4. type: `Tensor.type()` of a CPU tensor reports `torch.cuda.*Tensor`, which Megatron's clip-grad and
    distributed-optimizer asserts require.
+
+`allow_sequence_parallel_norms()` (any device) lets the local layer spec's torch norms run under sequence
+parallelism: Megatron's `WrappedTorchNorm` refuses it, although a norm acts per token; the patched
+constructor builds the norm and tags its parameters `sequence_parallel`, so `finalize_model_grads` sums
+their per-shard gradients over the tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ FACTORY_MODULES = (
 )
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
 _applied = False
+_norms_patched = False
 
 
 class _CpuTorch:
@@ -102,3 +108,26 @@ def apply_cpu_patches() -> bool:
         _patch_type()
         _applied = True
     return True
+
+
+def allow_sequence_parallel_norms() -> None:
+    """Patch `WrappedTorchNorm` to accept sequence parallelism (idempotent); see the module docstring."""
+    global _norms_patched
+    if _norms_patched:
+        return
+    torch_norm: Any = importlib.import_module("megatron.core.transformer.torch_norm")
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls: Any, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
+        sequence_parallel = config.sequence_parallel
+        object.__setattr__(config, "sequence_parallel", False)
+        try:
+            norm = original(cls, config, hidden_size, *args, **kwargs)
+        finally:
+            object.__setattr__(config, "sequence_parallel", sequence_parallel)
+        for param in norm.parameters():
+            param.sequence_parallel = sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+    _norms_patched = True

@@ -1,13 +1,20 @@
-"""Megatron-core GPTModel (local layer spec) built from an HF Llama/Qwen2 directory, weights converted in.
+"""Megatron-core GPTModel (local layer spec) built from an HF Llama/Qwen2 directory, one (TP, PP) shard.
 
-Preconditions: torch.distributed is initialised; `ensure_model_parallel()` sets up Megatron's parallel
-state with tensor parallel size 1 (the data-parallel group is then the whole default group) and seeds
-its RNG tracker. Parameters are fp32 (master weights); a bf16 compute dtype is applied by the caller with
-autocast on GPU. Every parameter is overwritten by the converted checkpoint, so no random init is run.
+Preconditions: torch.distributed is initialised with the trainer ranks as the default group;
+`ensure_model_parallel()` builds Megatron's tensor, pipeline and data-parallel groups over it (order
+tp-dp-pp: tensor-parallel ranks are adjacent, pipeline stages the slowest dimension) with the trainer's
+collective timeout, and seeds its RNG tracker. Parameters are fp32 (master weights); a bf16 compute dtype
+is applied by the caller with autocast on GPU. Every parameter is overwritten by the converted
+checkpoint, split for this rank's tensor-parallel shard and pipeline stage, so no random init is run.
+
+`HiddenGPT` is GPTModel with one switch, `return_hidden`: the last stage then returns the final hidden
+states [s, b, H] (after the final norm) instead of logits, for the fused LM-head loss.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,44 +22,147 @@ import torch
 
 from rollart_hpc.models.checkpoint import load_weights
 from rollart_hpc.models.config import ModelConfig, load_config
-from rollart_hpc.train.convert import hf_to_megatron, megatron_args
-from rollart_hpc.train.megatron_compat import apply_cpu_patches
+from rollart_hpc.train.convert import (
+    check_tensor_parallel,
+    hf_to_megatron,
+    megatron_args,
+    stage_layers,
+    to_stage,
+)
+from rollart_hpc.train.megatron_compat import allow_sequence_parallel_norms, apply_cpu_patches
 
 
-def ensure_model_parallel(seed: int) -> None:
-    """Initialise Megatron's parallel state (TP=1, PP=1) once per process and seed its RNG tracker."""
-    from megatron.core import parallel_state, tensor_parallel
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place in the trainer's (TP, PP, DP) grid, read from Megatron's parallel state."""
+
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_size: int
+    dp_rank: int
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def ensure_model_parallel(
+    seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 1, timeout_s: float = 600.0
+) -> Layout:
+    """Initialise Megatron's parallel state once per process (an existing one must have the same sizes),
+    seed its RNG tracker, and return this rank's layout."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel as tp_lib
 
     apply_cpu_patches()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    if tp_size != 1:
-        raise RuntimeError(
-            f"model parallel state is already initialised with TP={tp_size}; the trainer needs 1"
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel,
+            pipeline_model_parallel_size=pipeline_parallel,
+            distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+            order="tp-cp-ep-dp-pp",
         )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+    if have != (tensor_parallel, pipeline_parallel):
+        raise RuntimeError(
+            f"model parallel state is already initialised with (TP, PP) = {have}; "
+            f"the trainer needs {(tensor_parallel, pipeline_parallel)}"
+        )
+    tp_lib.model_parallel_cuda_manual_seed(seed)
+    return current_layout()
 
 
-def build_gpt(cfg: ModelConfig, device: torch.device) -> Any:
-    """An uninitialised fp32 GPTModel for `cfg` on `device`."""
+def current_layout() -> Layout:
+    from megatron.core import parallel_state as ps
+
+    return Layout(
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+    )
+
+
+def _hidden_gpt_class() -> type:
     from megatron.core.models.gpt import GPTModel
+
+    class HiddenGPT(GPTModel):  # type: ignore[misc]
+        return_hidden = False
+
+        def _postprocess(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self.return_hidden:
+                return hidden_states
+            return super()._postprocess(hidden_states, *args, **kwargs)
+
+    return HiddenGPT
+
+
+def build_gpt(
+    cfg: ModelConfig, device: torch.device, layout: Layout | None = None, sequence_parallel: bool = False
+) -> Any:
+    """An uninitialised fp32 GPTModel for `cfg` on `device`: this rank's shard and stage of `layout`
+    (activations sharded along the sequence outside the TP matmuls with `sequence_parallel`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    args = megatron_args(cfg)
+    layout = layout or Layout(1, 0, 1, 0, 1, 0)
+    check_tensor_parallel(cfg, layout.tp_size)
+    stage_layers(cfg.num_layers, layout.pp_rank, layout.pp_size)  # checks that PP divides the layers
+    args = megatron_args(cfg, layout.tp_size)
+    if sequence_parallel:
+        allow_sequence_parallel_norms()
     config = TransformerConfig(
+        sequence_parallel=sequence_parallel,
         **args.transformer,
+        pipeline_model_parallel_size=layout.pp_size,
+        pipeline_dtype=torch.float32,
+        variable_seq_lengths=layout.pp_size > 1,
+        moe_token_dispatcher_type="alltoall",  # the only dispatcher Megatron allows with variable lengths
+        calculate_per_token_loss=True,
         use_cpu_initialization=device.type == "cpu",
         perform_initialization=False,
         params_dtype=torch.float32,
     )
-    model = GPTModel(config, get_gpt_layer_local_spec(), **args.gpt)
+    model = _hidden_gpt_class()(
+        config,
+        get_gpt_layer_local_spec(),
+        pre_process=layout.first_stage,
+        post_process=layout.last_stage,
+        **args.gpt,
+    )
+    _mark_tensor_parallel(model)
     return model.to(device)
 
 
+def _mark_tensor_parallel(model: Any) -> None:
+    """Tag the split weights as tensor-parallel. Megatron tags them only while initialising them
+    (`perform_initialization`), and its gradient norm counts an untagged weight on TP rank 0 only."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or getattr(weight, "tensor_model_parallel", False):
+            continue
+        dims = {ColumnParallelLinear: 0, VocabParallelEmbedding: 0, RowParallelLinear: 1}
+        dim = next((d for kind, d in dims.items() if isinstance(module, kind)), None)
+        if dim is not None:
+            weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride = True, dim, 1
+
+
 def load_megatron_weights(model: Any, weights: dict[str, torch.Tensor]) -> None:
-    """Copy a full local-spec state dict into `model`; every parameter must be covered."""
+    """Copy a stage's local-spec state dict into `model`; every parameter must be covered."""
     result = model.load_state_dict(weights, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
     if missing or result.unexpected_keys:
@@ -61,9 +171,19 @@ def load_megatron_weights(model: Any, weights: dict[str, torch.Tensor]) -> None:
         )
 
 
-def gpt_from_hf(model_dir: str | Path, device: torch.device) -> tuple[Any, ModelConfig]:
-    """Build the GPTModel of an HF directory and load its converted weights; return (model, config)."""
+def shard_weights(hf: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout) -> dict[str, torch.Tensor]:
+    """Full HF weights -> the Megatron state dict of this rank's tensor shard and pipeline stage."""
+    full = hf_to_megatron(hf, cfg, layout.tp_rank, layout.tp_size)
+    layers = stage_layers(cfg.num_layers, layout.pp_rank, layout.pp_size)
+    return to_stage(full, layers, layout.first_stage, layout.last_stage, cfg.tie_word_embeddings)
+
+
+def gpt_from_hf(
+    model_dir: str | Path, device: torch.device, layout: Layout | None = None, sequence_parallel: bool = False
+) -> tuple[Any, ModelConfig]:
+    """Build this rank's GPTModel shard of an HF directory and load its weights; return (model, config)."""
+    layout = layout or Layout(1, 0, 1, 0, 1, 0)
     cfg = load_config(model_dir)
-    model = build_gpt(cfg, device)
-    load_megatron_weights(model, hf_to_megatron(load_weights(model_dir, cfg), cfg))
+    model = build_gpt(cfg, device, layout, sequence_parallel)
+    load_megatron_weights(model, shard_weights(load_weights(model_dir, cfg), cfg, layout))
     return model, cfg

@@ -1,53 +1,74 @@
-"""Data-parallel Megatron-core GPT trainer: SFT warm start, SPO++ RL steps, HF weight export, checkpoints.
+"""Megatron-core GPT trainer over a (TP, PP, DP) layout: SFT warm start, SPO++ RL steps, HF export, checkpoints.
 
 Process model: the caller initialises torch.distributed so that the default group holds exactly the
 trainer ranks (gloo on CPU, NCCL on GPU); every rank builds a `Trainer` from the same HF directory and
-calls the same methods in the same order with its own shard of the step's batch (see
-`batch.split_across_ranks`). Each step runs forward/backward over the shard's micro-batches, then one
-all_reduce SUM of the flat gradient buffer, clipping, and one AdamW step, so all replicas stay identical.
+calls the same methods in the same order with its own share of the step's batch (see
+`batch.split_across_ranks`). Megatron's parallel state splits the ranks into tensor-parallel groups,
+pipeline stages and data-parallel replicas (`model.ensure_model_parallel`); the ranks of one
+model-parallel group (TP x PP) pool their shares, so each data-parallel replica trains on the union of
+its ranks' sequences. A step runs Megatron's schedule (`get_forward_backward_func`: no pipelining at
+PP = 1, 1F1B otherwise) over the replica's packed micro-batches, Megatron DDP reduces gradients in
+buckets, and Megatron's optimizer clips by the global norm and steps (Adam states sharded over DP with
+the distributed optimizer), so all replicas stay identical.
 
-Invariant: the loss of every micro-batch is divided by the step's *global* action-token count (all ranks
-and micro-batches), so summing gradients over micro-batches and ranks gives the gradient of the whole
-batch's token-mean loss; gradients are therefore summed, never averaged. Every collective is bounded by
-`collective_timeout_s` (comm.py).
+Invariant: the loss of every micro-batch is divided by the step's *global* action-token count (all
+ranks and micro-batches), computed on the last pipeline stage, and gradients are summed over
+micro-batches and data-parallel replicas (never averaged), so the step follows the gradient of the
+whole batch's token-mean loss whatever the layout. Metrics are reduced once per step from the last
+stage's first tensor-parallel rank of every replica. Every collective is bounded by
+`collective_timeout_s` (comm.py and the timeout of Megatron's groups).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from rollart_hpc.algo.loss import SUMMED_DIAGNOSTICS, LossConfig, policy_loss
 from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.models.config import ModelConfig
-from rollart_hpc.train import checkpoint, comm
+from rollart_hpc.train import checkpoint, comm, parallel
 from rollart_hpc.train.batch import (
     PackedBatch,
     PaddedRows,
+    concat,
+    from_sequences,
     micro_batch_groups,
     select,
     to_padded_rows,
     token_positions,
 )
 from rollart_hpc.train.config import TrainerConfig
-from rollart_hpc.train.convert import megatron_to_hf
-from rollart_hpc.train.model import ensure_model_parallel, gpt_from_hf
+from rollart_hpc.train.convert import from_stage, megatron_to_hf, stage_layers
+from rollart_hpc.train.lm_head import token_logprobs
+from rollart_hpc.train.model import Layout, ensure_model_parallel, gpt_from_hf
 
 HF_WEIGHTS = "model.safetensors"
 HF_MARKER = "COMPLETE"
-RL_METRICS = SUMMED_DIAGNOSTICS  # the policy-loss diagnostics the RL step reports (summed over ranks)
+RL_METRICS = SUMMED_DIAGNOSTICS  # the policy-loss diagnostics the RL step reports (summed over replicas)
 # Per-micro-batch loss: (micro-batch, its per-token log-probs [T] with grad, the positions of its tokens
 # in the batch given to the step) -> (loss, metric sums).
 LossFn = Callable[[PackedBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+class Micro(NamedTuple):
+    """One micro-batch of a replica's batch: its sequences, their token positions, its padded rows."""
+
+    batch: PackedBatch
+    positions: torch.Tensor
+    rows: PaddedRows
+    dummy: bool = False  # stands in for an empty batch: loss 0, every gradient 0
+
+
 class Trainer:
-    """One data-parallel replica of an HF Llama/Qwen2 model as a Megatron-core GPTModel with AdamW."""
+    """This rank's shard of an HF Llama/Qwen2 model as a Megatron-core GPTModel, with Megatron DDP and Adam."""
 
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig) -> None:
         if not torch.distributed.is_initialized():
@@ -55,81 +76,194 @@ class Trainer:
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.device = _pick_device(cfg.compute_dtype)
-        ensure_model_parallel(cfg.seed)
-        self.model, self.model_config = gpt_from_hf(model_dir, self.device)
+        self.layout: Layout = ensure_model_parallel(
+            cfg.seed, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.collective_timeout_s
+        )
+        self.gpt, self.model_config = gpt_from_hf(model_dir, self.device, self.layout, cfg.sequence_parallel)
+        self.gpt.return_hidden = True  # the head runs in `lm_head.token_logprobs` (fused or eager)
+        self.model, self.optimizer = parallel.wrap(self.gpt, cfg)
         self.model.train()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self._grad = _attach_flat_grad(self.params, self.device)
-        self.optimizer = _make_adamw(self.model, cfg)
         self.step = 0
+        self._sums: dict[str, torch.Tensor] = {}
 
     @property
     def config(self) -> ModelConfig:
         return self.model_config
 
     @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """This shard's trainable parameters, in model order."""
+        return [p for p in self.gpt.parameters() if p.requires_grad]
+
+    @property
     def grad_buffer(self) -> torch.Tensor:
-        """The flat gradient of the last step after the all_reduce and clipping (a live view; read only)."""
-        return self._grad
+        """This shard's gradient of the last step, flat in parameter order, after the DP reduction and
+        clipping (a copy; with the distributed optimizer only this rank's DP slice is reduced)."""
+        grads = [p.main_grad.reshape(-1) for p in self.params]  # type: ignore[attr-defined]
+        return torch.cat(grads).clone()
 
-    # ---- forward -------------------------------------------------------------------------------
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.cfg.compute_dtype == "bfloat16":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the following steps."""
+        parallel.set_hyperparameters(self.optimizer, self.cfg, lr)
 
-    def _token_logprobs(self, micro: PackedBatch) -> torch.Tensor:
-        """log p(token t | tokens < t) for every token of `micro` as [T]; 0 at each sequence's first token."""
-        rows: PaddedRows = to_padded_rows(micro)
-        with self._autocast():
-            ce = self.model(rows.input_ids.to(self.device), None, None, labels=rows.targets.to(self.device))
-        valid = rows.target_valid.to(self.device)
-        index = rows.flat_index.to(self.device)[valid]
-        flat = torch.zeros(micro.num_tokens, dtype=torch.float32, device=self.device)
-        return flat.index_put((index,), -ce.float()[valid])
-
+    # ---- batches -------------------------------------------------------------------------------
     def _check_tokens(self, batch: PackedBatch) -> None:
         vocab = self.model_config.vocab_size
         if batch.num_tokens and not 0 <= int(batch.tokens.min()) <= int(batch.tokens.max()) < vocab:
             lo, hi = int(batch.tokens.min()), int(batch.tokens.max())
             raise ValueError(f"token ids must lie in [0, {vocab}), got {lo}..{hi}")
 
-    def _micro_batches(self, batch: PackedBatch) -> Iterator[tuple[PackedBatch, torch.Tensor]]:
-        """Each micro-batch with the positions of its tokens in `batch`."""
+    def _pool(self, batch: PackedBatch) -> tuple[PackedBatch, int]:
+        """(the union of the shares of this rank's model-parallel group, this rank's token offset in it)."""
+        from megatron.core import parallel_state
+
         self._check_tokens(batch)
-        for group in micro_batch_groups(batch, self.cfg.micro_batch_tokens):
-            yield select(batch, group), token_positions(batch, group)
+        if self.layout.tp_size * self.layout.pp_size == 1:
+            return batch, 0
+        group = parallel_state.get_model_parallel_group()
+        shares: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(shares, batch, group=group)
+        me = dist.get_rank(group)
+        return concat(shares), sum(s.num_tokens for s in shares[:me])
+
+    def _micros(self, batch: PackedBatch) -> list[Micro]:
+        """The micro-batches of a replica's batch; an empty batch runs one masked-out dummy micro-batch,
+        so every replica takes part in the gradient reduction."""
+        groups = micro_batch_groups(batch, self.cfg.micro_batch_tokens)
+        multiple = self.layout.tp_size if self.cfg.sequence_parallel else 1
+        if not groups:
+            dummy = _dummy_batch()
+            return [Micro(dummy, torch.arange(dummy.num_tokens), to_padded_rows(dummy, multiple), dummy=True)]
+        return [
+            Micro(select(batch, g), token_positions(batch, g), to_padded_rows(select(batch, g), multiple))
+            for g in groups
+        ]
+
+    # ---- forward / backward through Megatron's schedule ----------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.cfg.compute_dtype == "bfloat16":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _head_weight(self) -> torch.Tensor:
+        if self.model_config.tie_word_embeddings:
+            weight: torch.Tensor = self.gpt.shared_embedding_or_output_weight()
+            return weight
+        out: torch.Tensor = self.gpt.output_layer.weight
+        return out
+
+    def _token_logprobs(self, micro: Micro, output: torch.Tensor) -> torch.Tensor:
+        """log p(token t | tokens < t) for every token of the micro-batch as [T] (0 at each sequence's
+        first token), from the last stage's final hidden states through `lm_head.token_logprobs`."""
+        rows = micro.rows
+        valid = rows.target_valid.to(self.device)
+        if self.cfg.sequence_parallel:  # [s/TP, b, H] -> [s, b, H]; its backward sums over TP
+            from megatron.core import tensor_parallel
+
+            output = tensor_parallel.gather_from_sequence_parallel_region(
+                output, tensor_parallel_output_grad=True
+            )
+        hidden = output.transpose(0, 1)[valid]  # packed [N, H]: no padding reaches the head
+        lp = token_logprobs(
+            self.cfg.loss_impl,
+            hidden,
+            self._head_weight(),
+            rows.targets.to(self.device)[valid],
+            self.model_config.vocab_size,
+            self.layout.tp_size,
+            self.cfg.collective_timeout_s,
+            copy_to_tp=not self.cfg.sequence_parallel,
+        )
+        index = rows.flat_index.to(self.device)[valid]
+        flat = torch.zeros(micro.batch.num_tokens, dtype=torch.float32, device=self.device)
+        return flat.index_put((index,), lp.float())
+
+    def _loss(self, micro: Micro, loss_fn: LossFn, output: torch.Tensor) -> tuple[Any, ...]:
+        lp = self._token_logprobs(micro, output)
+        if micro.dummy:  # the whole graph, so that every parameter receives its (zero) gradient
+            return lp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
+        loss, parts = loss_fn(micro.batch, lp, micro.positions)
+        for name, value in {"loss": loss, **parts}.items():
+            if name in self._sums:
+                self._sums[name] += value.detach().double()
+        # The loss is already divided by the global action-token count: a count of 0 tells Megatron's
+        # per-token mode not to divide again.
+        return loss, torch.tensor(0, dtype=torch.int), {}
+
+    def _forward_step(self, loss_fn: LossFn) -> Callable[[Any, Any], tuple[torch.Tensor, Any]]:
+        def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+            micro: Micro = next(data_iterator)
+            ids = micro.rows.input_ids.to(self.device)
+            with self._autocast():
+                output = model(ids, None, None)  # the last stage returns its final hidden states
+            return output, functools.partial(self._loss, micro, loss_fn)
+
+        return forward_step
+
+    def _forward_backward(self, micros: list[Micro], loss_fn: LossFn, forward_only: bool) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        get_forward_backward_func()(
+            forward_step_func=self._forward_step(loss_fn),
+            data_iterator=iter(micros),
+            model=[self.model],
+            num_microbatches=len(micros),
+            seq_length=max(m.rows.input_ids.shape[1] for m in micros),
+            micro_batch_size=max(m.rows.input_ids.shape[0] for m in micros),
+            forward_only=forward_only,
+        )
+
+    def _pooled_logprobs(self, pooled: PackedBatch) -> torch.Tensor:
+        """Per-token log-probs [T] (CPU, fp32) of a replica's batch on every rank of its group."""
+        from megatron.core import parallel_state
+
+        out = torch.zeros(pooled.num_tokens, dtype=torch.float32)
+
+        def record(
+            micro: PackedBatch, lp: torch.Tensor, positions: torch.Tensor
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            out[positions] = lp.detach().cpu()
+            return lp.sum() * 0.0, {}
+
+        self._sums = {}
+        with torch.no_grad():
+            self._forward_backward(self._micros(pooled), record, forward_only=True)
+        if self.layout.pp_size > 1:
+            last = parallel_state.get_pipeline_model_parallel_last_rank()
+            group = parallel_state.get_pipeline_model_parallel_group()
+            comm.broadcast(out, last, "pipeline log-probs", self.cfg.collective_timeout_s, group)
+        return out
 
     @torch.no_grad()
     def logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        """Per-token log-probs [T] (CPU, fp32) of the current weights; 0 at each sequence's first token."""
-        out = torch.zeros(batch.num_tokens, dtype=torch.float32)
-        self._check_tokens(batch)
-        for group in micro_batch_groups(batch, self.cfg.micro_batch_tokens):
-            out[token_positions(batch, group)] = self._token_logprobs(select(batch, group)).cpu()
-        return out
+        """Per-token log-probs [T] (CPU, fp32) of the current weights for this rank's `batch` (all ranks
+        together); 0 at each sequence's first token."""
+        pooled, offset = self._pool(batch)
+        return self._pooled_logprobs(pooled)[offset : offset + batch.num_tokens].clone()
 
     # ---- steps ---------------------------------------------------------------------------------
     def _global_action_tokens(self, batch: PackedBatch) -> int:
         count = torch.tensor([float(batch.num_action_tokens)], dtype=torch.float64, device=self.device)
         return int(comm.all_reduce_sum(count, "action-token count", self.cfg.collective_timeout_s).item())
 
-    def _run_step(self, batch: PackedBatch, loss_fn: LossFn, names: tuple[str, ...]) -> dict[str, float]:
-        """Forward/backward over the micro-batches, sum gradients across ranks, clip, AdamW step.
+    def _dp_group(self) -> Any:
+        from megatron.core import parallel_state
 
-        `names` lists the metric sums `loss_fn` returns besides the loss; a rank with an empty shard
-        (no micro-batch) contributes zeros, so every rank reduces the same tensor."""
-        self._grad.zero_()
-        sums = {n: torch.zeros((), dtype=torch.float64, device=self.device) for n in ("loss", *names)}
-        for micro, positions in self._micro_batches(batch):
-            loss, parts = loss_fn(micro, self._token_logprobs(micro), positions)
-            loss.backward()
-            for name, value in {"loss": loss, **parts}.items():
-                sums[name] += value.detach().double()
-        metrics = self._reduce_metrics(sums, batch)
-        comm.all_reduce_sum(self._grad, "gradient all_reduce", self.cfg.collective_timeout_s)
-        metrics["grad_norm"] = self._clip()
-        self.optimizer.step()
+        return parallel_state.get_data_parallel_group()
+
+    def _records_metrics(self) -> bool:
+        return self.layout.last_stage and self.layout.tp_rank == 0
+
+    def _run_step(self, pooled: PackedBatch, loss_fn: LossFn, names: tuple[str, ...]) -> dict[str, float]:
+        """Megatron's forward/backward over the replica's micro-batches, DDP reduction, clip, Adam step.
+
+        `names` lists the metric sums `loss_fn` returns besides the loss."""
+        self._sums = {n: torch.zeros((), dtype=torch.float64, device=self.device) for n in ("loss", *names)}
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._forward_backward(self._micros(pooled), loss_fn, forward_only=False)
+        metrics = self._reduce_metrics(self._sums, pooled)
+        metrics["grad_norm"] = parallel.step(self.optimizer)
         self.step += 1
         metrics["step"] = float(self.step)
         return metrics
@@ -139,6 +273,8 @@ class Trainer:
         counts = [float(batch.num_tokens), float(batch.num_action_tokens)]
         local = torch.tensor(counts, dtype=torch.float64, device=self.device)
         packed = torch.cat([local, torch.stack([sums[n] for n in names])])
+        if not self._records_metrics():
+            packed.zero_()
         comm.all_reduce_sum(packed, "metric all_reduce", self.cfg.collective_timeout_s)
         values = packed.tolist()
         return {
@@ -147,22 +283,16 @@ class Trainer:
             **dict(zip(names, values[2:], strict=True)),
         }
 
-    def _clip(self) -> float:
-        norm = float(torch.linalg.vector_norm(self._grad))
-        clip = self.cfg.optim.grad_clip
-        if clip > 0 and norm > clip:
-            self._grad.mul_(clip / (norm + 1e-6))
-        return norm
-
     def sft_step(self, batch: PackedBatch, num_global_action_tokens: int | None = None) -> dict[str, float]:
-        """One AdamW step on the token-mean NLL of the action tokens over all ranks' batches.
+        """One optimizer step on the token-mean NLL of the action tokens over all ranks' batches.
 
         `num_global_action_tokens` defaults to an all_reduce of the local counts. Metrics: loss (global
         mean NLL), grad_norm (before clipping), num_tokens, num_action_tokens, step."""
         if num_global_action_tokens is None:
             num_global_action_tokens = self._global_action_tokens(batch)
+        pooled, _ = self._pool(batch)
         denom = num_global_action_tokens
-        _check_denominator(denom, batch)
+        _check_denominator(denom, pooled)
 
         def nll(
             micro: PackedBatch, lp: torch.Tensor, _: torch.Tensor
@@ -170,41 +300,43 @@ class Trainer:
             mask = micro.action_mask.to(self.device)
             return -(torch.where(mask, lp, 0.0).sum() / denom), {}
 
-        return self._run_step(batch, nll, ())
+        return self._run_step(pooled, nll, ())
 
     def rl_step(
         self, batch: PackedBatch, num_global_action_tokens: int, loss_cfg: LossConfig
     ) -> dict[str, float]:
         """The PPO updates of one RL step on the SPO++ policy loss (`rollart_hpc.algo.loss.policy_loss`).
 
-        One update (`ppo_epochs` = `num_minibatches` = 1, the default): one AdamW step on the whole
+        One update (`ppo_epochs` = `num_minibatches` = 1, the default): one optimizer step on the whole
         batch, with the current log-probs, detached, as the proximal ones (the ratio is 1 at its start).
         More: the proximal log-probs are those of the weights at the step's start, computed once before
-        the first update; each of `ppo_epochs` epochs walks this rank's sequences in `num_minibatches`
-        contiguous minibatches, one AdamW step each, the loss divided by that minibatch's global
-        action-token count (one all_reduce of the counts). From the second update on the ratio moves
-        away from 1, so the clip, the dual clip and the importance cap act. A minibatch empty on every
-        rank is skipped by all. Metrics are means over the updates of the global token means (loss,
-        approx_kl, clip_fraction, dual_clip_fraction, is_capped_fraction, is_weight, grad_norm), plus
-        num_updates, num_tokens and num_action_tokens of the whole batch, and step."""
-        _check_denominator(num_global_action_tokens, batch)
+        the first update; each of `ppo_epochs` epochs walks the replica's sequences in `num_minibatches`
+        contiguous minibatches, one optimizer step each, the loss divided by that minibatch's global
+        action-token count (one all_reduce of the counts over the replicas). From the second update on
+        the ratio moves away from 1, so the clip, the dual clip and the importance cap act. A minibatch
+        empty on every replica is skipped by all. Metrics are means over the updates of the global token
+        means (loss, approx_kl, clip_fraction, dual_clip_fraction, is_capped_fraction, is_weight,
+        grad_norm), plus num_updates, num_tokens and num_action_tokens of the whole batch, and step."""
+        pooled, _ = self._pool(batch)
+        _check_denominator(num_global_action_tokens, pooled)
         if self.cfg.ppo_epochs == 1 and self.cfg.num_minibatches == 1:
-            return self._policy_update(batch, num_global_action_tokens, loss_cfg, None) | {"num_updates": 1.0}
-        proximal = self.logprobs(batch)
+            update = self._policy_update(pooled, num_global_action_tokens, loss_cfg, None)
+            return update | {"num_updates": 1.0}
+        proximal = self._pooled_logprobs(pooled)
         groups = [
-            list(map(int, g)) for g in torch.arange(batch.num_sequences).chunk(self.cfg.num_minibatches)
+            list(map(int, g)) for g in torch.arange(pooled.num_sequences).chunk(self.cfg.num_minibatches)
         ]
         groups += [[]] * (self.cfg.num_minibatches - len(groups))  # fewer sequences than minibatches
-        local = [float(select(batch, g).num_action_tokens) for g in groups] + [float(batch.num_tokens)]
+        local = [float(select(pooled, g).num_action_tokens) for g in groups] + [float(pooled.num_tokens)]
         counts = torch.tensor(local, dtype=torch.float64, device=self.device)
         *per_group, num_tokens = comm.all_reduce_sum(
-            counts, "minibatch token counts", self.cfg.collective_timeout_s
+            counts, "minibatch token counts", self.cfg.collective_timeout_s, self._dp_group()
         ).tolist()
         updates = []
         for _ in range(self.cfg.ppo_epochs):
             for group, count in zip(groups, per_group, strict=True):
                 if count > 0:
-                    mini, old = select(batch, group), proximal[token_positions(batch, group)]
+                    mini, old = select(pooled, group), proximal[token_positions(pooled, group)]
                     updates.append(self._policy_update(mini, int(count), loss_cfg, old))
         metrics = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         metrics.update(
@@ -222,7 +354,8 @@ class Trainer:
         loss_cfg: LossConfig,
         proximal: torch.Tensor | None,
     ) -> dict[str, float]:
-        """One AdamW step on the policy loss of `batch`; `proximal` [T] (None: the current, detached)."""
+        """One optimizer step on the policy loss of a replica's `batch`; `proximal` [T] (None: the
+        current log-probs, detached)."""
 
         def spo(
             micro: PackedBatch, lp: torch.Tensor, positions: torch.Tensor
@@ -235,44 +368,86 @@ class Trainer:
 
     # ---- weights and checkpoints ---------------------------------------------------------------
     def reset_optimizer(self) -> None:
-        """Forget the optimizer's moments and step counts: the next step starts a fresh AdamW."""
-        self.optimizer.state.clear()
+        """Forget the optimizer's moments and step counts: the next step starts a fresh Adam."""
+        parallel.reset_states(self.optimizer)
+
+    def _stage_state(self) -> dict[str, torch.Tensor]:
+        """This rank's shard under Megatron names with global layer numbers (a tied head's copy dropped)."""
+        local = {k: v.detach() for k, v in self.gpt.state_dict().items() if not k.endswith("._extra_state")}
+        lay = self.layout
+        layers = stage_layers(self.model_config.num_layers, lay.pp_rank, lay.pp_size)
+        return from_stage(local, layers, lay.first_stage, self.model_config.tie_word_embeddings)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """A snapshot (copies) of the weights under HF names and shapes; no `lm_head.weight` when tied."""
-        state = {k: v.detach() for k, v in self.model.state_dict().items() if not k.endswith("._extra_state")}
-        return {k: v.clone() for k, v in megatron_to_hf([state], self.model_config).items()}
+        """A snapshot (copies) of the weights under HF names and shapes; no `lm_head.weight` when tied.
+
+        All ranks call it together: the tensor and pipeline shards of the first replica are gathered
+        on trainer rank 0, which returns the whole model; every other rank returns {}."""
+        from megatron.core import parallel_state
+
+        cfg, lay = self.model_config, self.layout
+        if lay.dp_rank != 0:
+            return {}
+        if lay.tp_size * lay.pp_size == 1:
+            return {k: v.clone() for k, v in megatron_to_hf([self._stage_state()], cfg).items()}
+        group = parallel_state.get_model_parallel_group()
+        dst = dist.get_process_group_ranks(group)[0]
+        mine = ((lay.pp_rank, lay.tp_rank), {k: v.cpu() for k, v in self._stage_state().items()})
+        gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+        dist.gather_object(mine, gathered, dst=dst, group=group)
+        if gathered is None:
+            return {}
+        return _assemble_hf(sorted(gathered, key=lambda item: item[0]), cfg, lay.pp_size)
 
     def save_hf(self, directory: str | Path) -> Path:
         """Write an HF model directory (safetensors + the source's config and tokenizer files) atomically:
-        a temp dir, a rename, then the `COMPLETE` marker. Call it on one rank."""
+        a temp dir, a rename, then the `COMPLETE` marker. All ranks call it; trainer rank 0 writes."""
         from safetensors.torch import save_file
 
         final = Path(directory).absolute()
+        weights = self.hf_state_dict()
+        if comm.rank() != 0:
+            return final
         tmp = final.with_name(f".{final.name}.tmp")
         for stale in (tmp, final):
             if stale.exists():
                 shutil.rmtree(stale)
         shutil.copytree(self.model_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors*", HF_MARKER))
-        weights = {k: v.cpu().contiguous() for k, v in self.hf_state_dict().items()}
-        save_file(weights, str(tmp / HF_WEIGHTS), metadata={"format": "pt"})
+        save_file(
+            {k: v.cpu().contiguous() for k, v in weights.items()},
+            str(tmp / HF_WEIGHTS),
+            metadata={"format": "pt"},
+        )
         tmp.rename(final)
         atomic_write_json(final / HF_MARKER, {"step": self.step})
         return final
 
     def save_checkpoint(self, directory: str | Path) -> Path:
-        """Model, AdamW state and step via Megatron dist_checkpointing (all ranks together; atomic)."""
-        return checkpoint.save(
-            directory, self.model, self.optimizer, self.step, self.cfg.collective_timeout_s
-        )
+        """Model shards, optimizer state and step via Megatron dist_checkpointing (all ranks; atomic)."""
+        return checkpoint.save(directory, self.gpt, self.optimizer, self.step, self.cfg.collective_timeout_s)
 
     def load_checkpoint(self, directory: str | Path) -> int:
-        """Restore a checkpoint written by `save_checkpoint` (all ranks together); return its step.
-
-        Optimizer hyperparameters come from this trainer's config, not from the checkpoint."""
-        self.step = checkpoint.load(directory, self.model, self.optimizer)
-        _apply_optim_config(self.optimizer, self.cfg)
+        """Restore a checkpoint written by `save_checkpoint` at any (TP, PP, DP) layout (all ranks
+        together); return its step. Optimizer hyperparameters come from this trainer's config."""
+        self.step = checkpoint.load(directory, self.gpt, self.optimizer)
+        parallel.set_hyperparameters(self.optimizer, self.cfg)
         return self.step
+
+
+def _assemble_hf(
+    shards: list[tuple[tuple[int, int], dict[str, torch.Tensor]]], cfg: ModelConfig, pp_size: int
+) -> dict[str, torch.Tensor]:
+    """HF weights from every (pp_rank, tp_rank) shard, sorted by stage then tensor rank."""
+    out: dict[str, torch.Tensor] = {}
+    for stage in range(pp_size):
+        tp_shards = [state for (pp, _), state in shards if pp == stage]
+        out.update(megatron_to_hf(tp_shards, cfg, stage_layers(cfg.num_layers, stage, pp_size)))
+    return out
+
+
+def _dummy_batch() -> PackedBatch:
+    """One two-token sequence with no action token: a micro-batch whose loss and gradients are 0."""
+    return from_sequences([[0, 0]], [[0, 0]], [[0.0, 0.0]], [[0.0, 0.0]])
 
 
 def _pick_device(compute_dtype: str) -> torch.device:
@@ -281,30 +456,6 @@ def _pick_device(compute_dtype: str) -> torch.device:
     if compute_dtype != "float32":
         raise ValueError(f"compute_dtype {compute_dtype!r} needs a GPU; the CPU trainer runs in float32")
     return torch.device("cpu")
-
-
-def _attach_flat_grad(params: list[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
-    """One fp32 buffer holding every parameter's .grad as a view; backward accumulates into it in place."""
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
-    offset = 0
-    for p in params:
-        p.grad = flat[offset : offset + p.numel()].view_as(p)
-        offset += p.numel()
-    return flat
-
-
-def _make_adamw(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups: list[dict[str, Any]] = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-    o = cfg.optim
-    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-
-
-def _apply_optim_config(optimizer: torch.optim.Optimizer, cfg: TrainerConfig) -> None:
-    o = cfg.optim
-    for i, group in enumerate(optimizer.param_groups):
-        group.update(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay if i == 0 else 0.0)
 
 
 def _check_denominator(num_global_action_tokens: int, batch: PackedBatch) -> None:

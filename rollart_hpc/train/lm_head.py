@@ -1,0 +1,156 @@
+"""Per-token log-probs of the LM head from the last hidden states, never the [tokens, vocab] logits.
+
+`head_logprobs(hidden [N, H], weight [V/TP, H], targets [N], vocab_size, ...)` returns log p(target) [N],
+with gradients to the hidden states and the weight shard. The head may hold padding rows past
+`vocab_size` (`convert.padded_vocab_size`); their logits are masked out. Tensor parallel size 1 and no
+padding: the kernels' fused `linear_logprob` (Triton on CUDA, the chunked torch reference on CPU).
+Otherwise (vocabulary-parallel head, rank r holds rows [r V/TP, (r+1) V/TP)): logits are formed a
+chunk of tokens at a time; each
+rank's log-sum-exp and target logit are combined over the TP group (max, then sum of exp, then sum: three
+all-reduces of [N] per call), and the backward recomputes the chunk logits from the saved global
+log-sum-exp. The hidden states must enter through Megatron's `copy_to_tensor_model_parallel_region`
+(done here), whose backward sums the partial hidden-state gradients over the TP group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rollart_hpc.train import comm
+
+LOGITS_BUDGET_ELEMENTS = 1 << 22  # float32 logits held per chunk (16 MiB)
+
+
+def _chunk(num_vocab: int) -> int:
+    return max(1, LOGITS_BUDGET_ELEMENTS // max(num_vocab, 1))
+
+
+class _VocabParallelLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        vocab_size: int,
+        group: Any,
+        timeout_s: float,
+    ) -> torch.Tensor:
+        rank, vocab = (dist.get_rank(group) if group is not None else 0), weight.shape[0]
+        real = max(0, min(vocab, vocab_size - rank * vocab))  # this shard's rows that are not padding
+        local = targets - rank * vocab
+        owned = (local >= 0) & (local < vocab)
+        local = torch.where(owned, local, 0)
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        tgt = torch.zeros_like(lse)
+        w = weight.float()
+        step = _chunk(vocab)
+        for start in range(0, hidden.shape[0], step):
+            sl = slice(start, start + step)
+            logits = _masked(hidden[sl].float() @ w.T, real)
+            lse[sl] = torch.logsumexp(logits, dim=1)
+            picked = logits.gather(1, local[sl].unsqueeze(1)).squeeze(1)
+            tgt[sl] = torch.where(owned[sl], picked, 0.0)
+        if group is not None:
+            top = comm.all_reduce(lse.clone(), "vocab-parallel max", timeout_s, dist.ReduceOp.MAX, group)
+            total = comm.all_reduce(torch.exp(lse - top), "vocab-parallel sum-exp", timeout_s, group=group)
+            comm.all_reduce(tgt, "vocab-parallel target logit", timeout_s, group=group)
+            lse = top + torch.log(total)
+        ctx.save_for_backward(hidden, weight, local, owned, lse)
+        ctx.real = real
+        return (tgt - lse).clamp(max=0.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        hidden, weight, local, owned, lse = ctx.saved_tensors
+        w = weight.float()
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        step = _chunk(weight.shape[0])
+        g = grad.float()
+        for start in range(0, hidden.shape[0], step):
+            sl = slice(start, start + step)
+            h = hidden[sl].float()
+            dlogits = torch.exp(_masked(h @ w.T, ctx.real) - lse[sl].unsqueeze(1)) * (-g[sl]).unsqueeze(1)
+            rows = torch.arange(dlogits.shape[0], device=dlogits.device)
+            dlogits[rows, local[sl]] += torch.where(owned[sl], g[sl], 0.0)
+            grad_hidden[sl] = dlogits @ w
+            grad_weight += dlogits.T @ h
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None
+
+
+def _masked(logits: torch.Tensor, real: int) -> torch.Tensor:
+    """Padding columns (index >= real) set to -inf, so they carry no probability and no gradient."""
+    if real == logits.shape[1]:
+        return logits
+    return logits.index_fill(1, torch.arange(real, logits.shape[1], device=logits.device), float("-inf"))
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    tp_size: int,
+    timeout_s: float,
+    copy_to_tp: bool = True,
+) -> torch.Tensor:
+    """log p(target) [N] (fp32) of hidden [N, H] under the (vocabulary-parallel, padded) head `weight`.
+
+    copy_to_tp=False: the caller's hidden states already sum their gradient over the TP group (they come
+    from a sequence-parallel gather)."""
+    if tp_size == 1 and weight.shape[0] == vocab_size:
+        from rollart_hpc.kernels import KernelTuning, linear_logprob
+
+        # The torch reference holds one chunk of logits at a time: the same budget as the path below.
+        tuning = None if hidden.is_cuda else KernelTuning(token_chunk=_chunk(vocab_size))
+        return linear_logprob(hidden, weight, targets, tuning=tuning).float()
+    group = None
+    if tp_size > 1:
+        from megatron.core import parallel_state, tensor_parallel
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        if copy_to_tp:
+            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+    out: torch.Tensor = _VocabParallelLogprob.apply(hidden, weight, targets, vocab_size, group, timeout_s)
+    return out
+
+
+def token_logprobs(
+    impl: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    tp_size: int,
+    timeout_s: float,
+    copy_to_tp: bool = True,
+) -> torch.Tensor:
+    """The trainer's log p(target) [N] from the last hidden states [N, H] and the head shard [V/TP, H].
+
+    impl "fused": `head_logprobs` (never [N, V] logits). "eager": the full (vocabulary-parallel)
+    logits, padding columns masked, through Megatron's vocab-parallel cross-entropy, exactly what the
+    model's own output layer and loss compute."""
+    if impl == "fused":
+        return head_logprobs(hidden, weight, targets, vocab_size, tp_size, timeout_s, copy_to_tp)
+    from megatron.core import parallel_state, tensor_parallel
+
+    if tp_size > 1 and copy_to_tp:
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+    logits = mask_padding(
+        hidden.float() @ weight.float().T, vocab_size, parallel_state.get_tensor_model_parallel_rank()
+    )
+    ce: torch.Tensor = tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
+    return -ce
+
+
+def mask_padding(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
+    """Vocabulary-parallel logits [..., V/TP] with the padding columns of this shard set to -inf."""
+    shard = logits.shape[-1]
+    real = max(0, min(shard, vocab_size - tp_rank * shard))
+    if real == shard:
+        return logits
+    return logits.index_fill(-1, torch.arange(real, shard, device=logits.device), float("-inf"))

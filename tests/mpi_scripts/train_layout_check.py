@@ -1,0 +1,76 @@
+"""Trainer worker for the layout tests, run under mpiexec: one world = one (TP, PP, DP) layout.
+
+    train_layout_check.py MODEL_DIR OUT STORE TP PP MICRO_BATCH_TOKENS LOAD_FROM SAVE_TO
+
+Every rank takes its share of the same global batch (`split_across_ranks` over all ranks; the ranks of
+one model-parallel group pool theirs). Unless LOAD_FROM is given the world runs RL step 1 and, when
+SAVE_TO is given, checkpoints after it; with LOAD_FROM it restores that checkpoint instead. Then it runs
+RL step 2 on a second batch. LAYOUT_LOSS_IMPL (fused | eager) picks `trainer.loss_impl`;
+LAYOUT_SEQUENCE_PARALLEL=1 turns on sequence parallelism. Rank 0 writes `OUT/result.pt`: each step's metrics and the HF weights
+gathered after each step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def global_batch(vocab: int, seed: int) -> object:
+    from rollart_hpc.train.batch import from_sequences
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [23, 9, 31, 14, 18, 27, 6, 12]
+    tokens = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+    masks = [[0] * (n // 2) + [1] * (n - n // 2) for n in lengths]
+    for mask in masks:  # an observation span inside the generated part
+        mask[len(mask) - 3] = 0
+    adv = [[(1.0 - 0.4 * i) * m for m in mask] for i, mask in enumerate(masks)]
+    behaviour = [[-6.0 * m for m in mask] for mask in masks]
+    return from_sequences(tokens, masks, behaviour, adv)
+
+
+def main(argv: list[str]) -> None:
+    import torch.distributed as dist
+
+    from rollart_hpc.algo.loss import LossConfig
+    from rollart_hpc.train.batch import split_across_ranks
+    from rollart_hpc.train.config import OptimConfig, TrainerConfig
+    from rollart_hpc.train.trainer import Trainer
+
+    model_dir, out, store, tp, pp, mbt, load_from, save_to = argv
+    rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    cfg = TrainerConfig(
+        optim=OptimConfig(lr=1e-4, weight_decay=0.01, grad_clip=1.0),
+        micro_batch_tokens=int(mbt),
+        collective_timeout_s=120,
+        tensor_parallel=int(tp),
+        pipeline_parallel=int(pp),
+        sequence_parallel=os.environ.get("LAYOUT_SEQUENCE_PARALLEL") == "1",
+        loss_impl=os.environ.get("LAYOUT_LOSS_IMPL", "fused"),
+        ddp_bucket_elements=40_000,  # several buckets: the overlapped reduction runs bucket by bucket
+    )
+    trainer = Trainer(model_dir, cfg)
+    result: dict[str, object] = {"metrics": [], "weights": []}
+    for step, seed in enumerate((11, 12), start=1):
+        if step == 1 and load_from:
+            trainer.load_checkpoint(load_from)
+            continue
+        batch = global_batch(trainer.config.vocab_size, seed)
+        shard = split_across_ranks(batch, world)[rank]  # type: ignore[arg-type]
+        metrics = trainer.rl_step(shard, batch.num_action_tokens, LossConfig())  # type: ignore[attr-defined]
+        result["metrics"].append(metrics)  # type: ignore[attr-defined]
+        result["weights"].append(trainer.hf_state_dict())  # type: ignore[attr-defined]
+        if step == 1 and save_to:
+            trainer.save_checkpoint(save_to)
+    if rank == 0:
+        torch.save(result, Path(out) / "result.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
