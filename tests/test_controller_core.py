@@ -3,6 +3,8 @@
 Pins invariants 1-3 of the `rollart_hpc/controller/core.py` docstring.
 """
 
+from collections import Counter
+
 import pytest
 from core_driving import finish, run_to_end
 from hypothesis import given, settings
@@ -15,7 +17,7 @@ from rollart_hpc.controller.core import ControllerCore
 TASKS = [f"t{i}" for i in range(6)]
 
 
-def make_core(mode="async", s=1, batch=3, steps=4, cap=1, seed=0):
+def make_core(mode="async", s=1, batch=3, steps=4, cap=1, seed=0, redundancy=1.0):
     tracker = EventTimeTracker({t: (0.5, 0.5) for t in TASKS})
     sampler = TaskSampler(TASKS, tracker, max_in_flight_per_task=cap, seed=seed)
     return ControllerCore(
@@ -27,6 +29,7 @@ def make_core(mode="async", s=1, batch=3, steps=4, cap=1, seed=0):
         sampler=sampler,
         seed=seed,
         clock=lambda: 0.0,
+        redundancy=redundancy,
     )
 
 
@@ -117,6 +120,79 @@ def test_random_interleavings_keep_invariants(ops, s, mode, batch, seed):
         assert core.admitted <= core.admission_limit()
     assert not core.dropped.get("stale")
     run_to_end(core, 200)  # liveness: finishing everything in flight always lets the run reach its last step
+
+
+def test_redundancy_aborts_due_stragglers_once_a_batch_is_in():
+    core = make_core(s=0, batch=2, steps=3, cap=2, redundancy=1.5)
+    assert core.admission_limit() == 2 + 1
+    tickets = [core.dispatch() for _ in range(3)]
+    assert core.dispatch() is None
+    core.on_result(finish(tickets[1], 0))
+    assert core.stragglers() == []  # no batch is in yet
+    core.on_result(finish(tickets[2], 0))
+    assert core.stragglers() == [tickets[0].episode_id]
+    assert core.stragglers() == []  # each straggler is returned once
+    batch = core.next_batch()  # no longer waits for the aborted one
+    assert batch is not None and [r.ticket.episode_id for r in batch.results] == [
+        t.episode_id for t in tickets[1:]
+    ]
+    assert core.on_result(finish(tickets[0], 0, n_action=4)) == "dropped"  # done before the cancel arrived
+    assert core.dropped["redundant"] == 1 and core.admitted == 2 and core.balanced()
+    (record,) = core.redundancy.take()
+    assert (record["episode_id"], record["when"], record["status"]) == (
+        tickets[0].episode_id,
+        "aborted",
+        "ok",
+    )
+    assert record["tokens"] == 6 and record["action_tokens"] == 4 and record["reward_so_far"] == 1.0
+    core.on_published(1)
+    run_to_end(core, 50)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["dispatch", "finish", "fail", "batch", "rollout", "cancel"]), st.integers(0, 50)
+        ),
+        max_size=120,
+    ),
+    s=st.integers(0, 2),
+    batch=st.integers(1, 4),
+    redundancy=st.sampled_from([1.25, 1.5, 2.0]),
+    seed=st.integers(0, 3),
+)
+def test_redundancy_keeps_exact_accounting(ops, s, batch, redundancy, seed):
+    core = make_core(s=s, batch=batch, steps=6, cap=2, seed=seed, redundancy=redundancy)
+    trained_at, ended = {}, Counter()
+    for op, pick in ops:
+        if op == "dispatch":
+            core.dispatch()
+        elif op == "cancel":
+            core.stragglers()
+        elif op in ("finish", "fail") and core.in_flight:
+            ticket = list(core.in_flight.values())[pick % len(core.in_flight)]
+            aborted = ticket.episode_id in core.redundancy.aborting
+            outcome = core.on_result(finish(ticket, core.rollout_version, failed=op == "fail" or aborted))
+            ended[ticket.episode_id] += 1
+            assert outcome != "dropped" or aborted
+        elif op == "batch":
+            b = core.next_batch()
+            if b is not None:
+                for r in b.results:
+                    assert r.ticket.episode_id not in trained_at
+                    assert b.step - r.trajectory.oldest_version() <= s
+                    trained_at[r.ticket.episode_id] = b.step
+                core.on_published(b.step + 1)
+        elif op == "rollout":
+            core.on_rollout_version(core.version)
+        assert core.balanced() and core.admitted <= core.admission_limit()
+        assert core.redundancy.aborting <= set(core.in_flight)
+    assert not core.dropped.get("stale") and max(ended.values(), default=1) == 1
+    logged = core.redundancy.take()
+    assert len(logged) == core.dropped.get("redundant", 0)
+    assert not set(r["episode_id"] for r in logged) & set(trained_at)
+    run_to_end(core, 200)
 
 
 def test_baseline_frozen_at_dispatch():

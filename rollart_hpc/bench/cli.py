@@ -12,6 +12,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "weights": ("rollart_hpc.bench.weights", "weight sync: bucketed publish vs raw broadcast (JSON)"),
     "controller": ("rollart_hpc.bench.controller", "controller bookkeeping rate and 10k in flight (JSON)"),
     "e2e": ("rollart_hpc.bench.e2e", "sync vs one_step_off vs async runs: time to target, throughput (JSON)"),
+    "affinity": (
+        "rollart_hpc.bench.affinity",
+        "rollout pools of unequal hardware: hash vs static vs adaptive routing, with and without redundancy (JSON)",
+    ),
     "reward": (
         "rollart_hpc.bench.reward",
         "dedicated reward workers vs one shared elastic reward service (JSON)",

@@ -36,7 +36,12 @@ class RunContext:
     @property
     def ranks(self) -> dict[str, list[int]]:
         plan = self.world.plan
-        return {r.role: list(r.ranks) for r in plan.roles}
+        return {role: list(plan.ranks_of(role)) for role in dict.fromkeys(r.role for r in plan.roles)}
+
+    @property
+    def pools(self) -> dict[str, list[int]]:
+        """Rollout pool name -> its world ranks."""
+        return {name: list(ranks) for name, ranks in self.world.plan.pools().items()}
 
     @property
     def weight_members(self) -> list[int]:

@@ -1,9 +1,14 @@
-"""The run plan: which world ranks take which role (and, on SLURM, which partition). Torch- and MPI-free."""
+"""The run plan: which world ranks take which role (and, on SLURM, which partition). Torch- and MPI-free.
+
+The rollout role may span several consecutive ranges, one per named pool (`roles.rollout_pools`); every
+other role, and a run with one pool, has one range per role. `ranks_of("rollout")` is all of them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rollart_hpc.config.roles import DEFAULT_POOL, RolloutPoolConfig
 from rollart_hpc.config.schema import ROLE_NAMES, RoleConfig, RolesConfig
 
 
@@ -15,6 +20,8 @@ class RoleRange:
     partition: str
     resources: RoleConfig = field(default_factory=RoleConfig, compare=False)
     """The role's config: GPUs, CPUs and memory per rank, ranks per node, SLURM constraints."""
+    pool: str = ""
+    """The rollout pool of this range ('' = the role's only range)."""
 
     @property
     def ranks(self) -> range:
@@ -41,15 +48,24 @@ class RunPlan:
         return self.range_of(role).ranks
 
     def range_of(self, role: str) -> RoleRange:
-        for r in self.roles:
-            if r.role == role:
-                return r
-        raise KeyError(f"no role {role!r} in the plan (roles: {', '.join(ROLE_NAMES)})")
+        """The role's ranks as one range (a pooled rollout role: its pools' ranges joined)."""
+        parts = [r for r in self.roles if r.role == role]
+        if not parts:
+            raise KeyError(f"no role {role!r} in the plan (roles: {', '.join(ROLE_NAMES)})")
+        if len(parts) == 1:
+            return parts[0]
+        return RoleRange(role, parts[0].start, sum(r.num_ranks for r in parts), parts[0].partition)
+
+    def pools(self) -> dict[str, range]:
+        """Rollout pool name -> its world ranks, in rank order (one pool 'default' without named pools)."""
+        return {r.pool or DEFAULT_POOL: r.ranks for r in self.roles if r.role == "rollout"}
 
     def describe(self, rank: int) -> str:
         """'env rank 3 (env #1)': how errors name a peer."""
         role = self.role_of(rank)
-        return f"{role.role} rank {rank} ({role.role} #{rank - role.start})"
+        start = self.range_of(role.role).start
+        pool = f", pool {role.pool}" if role.pool else ""
+        return f"{role.role} rank {rank} ({role.role} #{rank - start}{pool})"
 
     def table(self) -> str:
         lines = [f"world size {self.world_size}"]
@@ -57,8 +73,9 @@ class RunPlan:
             if r.num_ranks:
                 span = f"{r.start}" if r.num_ranks == 1 else f"{r.start}-{r.start + r.num_ranks - 1}"
                 part = f"  partition={r.partition}" if r.partition else ""
+                pool = f"  pool={r.pool}{pool_text(r.resources)}" if r.pool else ""
                 lines.append(
-                    f"  {r.role:<10} ranks {span:<7} ({r.num_ranks}){part}{resource_text(r.resources)}"
+                    f"  {r.role:<10} ranks {span:<7} ({r.num_ranks}){part}{pool}{resource_text(r.resources)}"
                 )
         return "\n".join(lines)
 
@@ -75,9 +92,24 @@ def resource_text(cfg: RoleConfig) -> str:
     return f"  per rank: {', '.join(parts)}" if parts else ""
 
 
+def pool_text(cfg: RoleConfig) -> str:
+    """'  gpu=h800 tags=prefill' for a pool's GPU type, constraint and tags ('' when none)."""
+    parts = [f"gpu={cfg.gpu_type}"] if cfg.gpu_type else []
+    if cfg.constraint:
+        parts.append(f"constraint={cfg.constraint}")
+    if isinstance(cfg, RolloutPoolConfig) and cfg.tags:
+        parts.append(f"tags={','.join(cfg.tags)}")
+    return f" ({' '.join(parts)})" if parts else ""
+
+
 def make_plan(roles: RolesConfig) -> RunPlan:
     ranges, start = [], 0
     for name in ROLE_NAMES:
+        if name == "rollout" and roles.rollout_pools:
+            for pool in roles.rollout_pools:
+                ranges.append(RoleRange(name, start, pool.num_ranks, pool.partition, pool, pool.name))
+                start += pool.num_ranks
+            continue
         cfg = getattr(roles, name)
         ranges.append(RoleRange(name, start, cfg.num_ranks, cfg.partition, cfg))
         start += cfg.num_ranks

@@ -5,7 +5,8 @@ files. Invariants of a rendered job:
 - The hetjob components cover the plan's ranks in plan order with no gap: component i holds world
   ranks [start_i, start_i + num_ranks_i) and start_{i+1} = start_i + num_ranks_i. `srun --het-group=0,...,k`
   numbers the tasks of component 0 first, then component 1, ..., so MPI world rank == plan rank.
-- Adjacent roles on the same partition share one component; roles with no ranks get none.
+- Adjacent roles on the same partition share one component; roles with no ranks get none. Each named
+  rollout pool (`roles.rollout_pools`) is a component of its own, whatever its neighbours' partitions.
 - Resources (`roles.<role>.gpus_per_rank`, `cpus_per_rank`, `mem_gb`, `ranks_per_node`, `gpu_type`,
   `constraint`, `sbatch_extra`): a component spans `num_ranks / ranks_per_node` nodes in block order
   (`--nodes`, `--ntasks-per-node`; one node when no role sets ranks_per_node) and asks, per node, for the
@@ -147,7 +148,7 @@ def het_components(plan: RunPlan) -> tuple[HetComponent, ...]:
     for role in plan.roles:
         if role.num_ranks == 0:
             continue
-        if groups and groups[-1][-1].partition == role.partition:
+        if groups and groups[-1][-1].partition == role.partition and not (role.pool or groups[-1][-1].pool):
             groups[-1].append(role)
         else:
             groups.append([role])
@@ -202,7 +203,7 @@ def make_component(plan: RunPlan, roles: list[RoleRange], ranks_per_node: int = 
         roles[0].partition,
         start,
         num,
-        tuple(r.role for r in roles),
+        tuple(f"rollout:{r.pool}" if r.pool else r.role for r in roles),
         ranks_per_node=ranks_per_node or _agreed(roles, "ranks_per_node"),
         gpus_per_node=busiest("gpus_per_rank"),
         cpus_per_task=max(r.resources.cpus_per_rank for r in roles),

@@ -17,7 +17,7 @@ from rollart_hpc.contracts.atomic import atomic_write_bytes
 from rollart_hpc.contracts.errors import UsageError
 
 RESOLVED_NAME = "config.resolved.toml"
-RL_SECTIONS = ("model", "rollout", "envs", "reward", "algo", "trainer", "controller")
+RL_SECTIONS = ("model", "rollout", "envs", "reward", "algo", "trainer", "controller", "routing")
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -55,7 +55,25 @@ def check_role_resources(config: Config) -> None:
             raise UsageError(
                 f"{section}.num_threads: {threads} threads exceed roles.{section}.cpus_per_rank = {cpus}"
             )
-    gpus, tp = config.roles.rollout.gpus_per_rank, config.rollout.tensor_parallel_size
+    check_pool_resources(config)
+
+
+def check_pool_resources(config: Config) -> None:
+    """Each rollout pool's threads fit its cores, its vLLM tensor parallel group its GPUs; a cost profile
+    needs the built-in engine."""
+    tp = config.rollout.tensor_parallel_size
+    for index, pool in enumerate(config.roles.rollout_pools):
+        path = f"roles.rollout_pools[{index}]"
+        threads = pool.num_threads or config.rollout.num_threads
+        if pool.cpus_per_rank and threads > pool.cpus_per_rank:
+            raise UsageError(
+                f"{path}.num_threads: {threads} threads exceed its cpus_per_rank = {pool.cpus_per_rank}"
+            )
+        if pool.gpus_per_rank and tp > pool.gpus_per_rank:
+            raise UsageError(f"rollout.tensor_parallel_size: {tp} needs {path}.gpus_per_rank >= {tp}")
+        if pool.has_cost_profile and config.rollout.engine != "builtin":
+            raise UsageError(f"{path}.prefill_cost_scale: cost profiles need rollout.engine = 'builtin'")
+    gpus = config.roles.rollout.gpus_per_rank
     if gpus and tp > gpus:
         raise UsageError(
             f"rollout.tensor_parallel_size: {tp} needs roles.rollout.gpus_per_rank >= {tp}, got {gpus}"

@@ -29,6 +29,12 @@ from rollart_hpc.config.choices import (
     default_staleness,
 )
 from rollart_hpc.config.loader import doc_field
+from rollart_hpc.config.roles import RENDERED_SBATCH_OPTIONS as RENDERED_SBATCH_OPTIONS
+from rollart_hpc.config.roles import RoleConfig as RoleConfig
+from rollart_hpc.config.roles import RolesConfig
+from rollart_hpc.config.roles import RolloutPoolConfig as RolloutPoolConfig
+from rollart_hpc.config.roles import check_sbatch_extra as check_sbatch_extra
+from rollart_hpc.config.routing import RoutingConfig
 from rollart_hpc.contracts.errors import UsageError
 
 ROLE_NAMES = ("controller", "rollout", "env", "reward", "trainer")
@@ -49,88 +55,6 @@ class RunConfig:
     def validate(self, path: str) -> None:
         if not self.name or any(c in self.name for c in "/\\\n"):
             raise UsageError(f"{path}.name: {self.name!r} must be non-empty with no slashes or newlines")
-
-
-# sbatch options that `launch.py submit` renders from a role's fields; `sbatch_extra` may not set them.
-RENDERED_SBATCH_OPTIONS = (
-    "partition", "ntasks", "nodes", "ntasks-per-node", "gres", "gpus", "gpus-per-task", "gpus-per-node",
-    "cpus-per-task", "mem", "mem-per-cpu", "mem-per-gpu", "constraint", "job-name", "output", "time",
-    "signal", "requeue", "open-mode", "hetjob",
-)  # fmt: skip
-SBATCH_EXTRA = re.compile(r"--([a-z][a-z0-9-]*)(=\S+)?")
-SLURM_WORD = re.compile(r"[A-Za-z0-9_.\-]+")
-SLURM_CONSTRAINT = re.compile(r"[A-Za-z0-9_.\-&|\[\]()*,]+")
-
-
-@dataclass(frozen=True)
-class RoleConfig:
-    num_ranks: int = doc_field(1, "Number of MPI ranks that take this role.")
-    partition: str = doc_field("", "SLURM partition for this role's ranks ('' = the job's default).")
-    gpus_per_rank: int = doc_field(
-        0,
-        "GPUs of one rank (0 = the rank runs on CPU). Ranks of a node get distinct GPUs (cluster/placement).",
-    )
-    cpus_per_rank: int = doc_field(
-        0,
-        "CPU cores of one rank: SLURM --cpus-per-task (the most of a job component's roles), torch/OMP "
-        "threads of the rank, and locally an affinity mask of that many cores (0 = no request, no pinning).",
-    )
-    mem_gb: int = doc_field(
-        0,
-        "Memory of one rank, GiB; a job component asks --mem for the sum over its busiest node (0 = default).",
-    )
-    ranks_per_node: int = doc_field(
-        0,
-        "SLURM: ranks of this role's job component per node (--ntasks-per-node; the roles of one component "
-        "must agree). 0 = the component's ranks share one node.",
-    )
-    gpu_type: str = doc_field("", "SLURM GPU type in the gres request, e.g. 'h100' -> --gres=gpu:h100:N.")
-    constraint: str = doc_field("", "SLURM --constraint (node features), e.g. 'h100&ib'.")
-    sbatch_extra: list[str] = doc_field(
-        [], "Extra sbatch options of this role's job component, e.g. ['--account=proj', '--qos=high']."
-    )
-
-    def validate(self, path: str) -> None:
-        if self.num_ranks < 0:
-            raise UsageError(f"{path}.num_ranks: must be >= 0, got {self.num_ranks}")
-        for name in ("gpus_per_rank", "cpus_per_rank", "mem_gb", "ranks_per_node"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"{path}.{name}: must be >= 0, got {getattr(self, name)}")
-        if self.gpu_type and not SLURM_WORD.fullmatch(self.gpu_type):
-            raise UsageError(f"{path}.gpu_type: {self.gpu_type!r} must be one word (letters, digits, _ . -)")
-        if self.gpu_type and not self.gpus_per_rank:
-            raise UsageError(f"{path}.gpu_type: set, but {path}.gpus_per_rank is 0; remove it")
-        if self.constraint and not SLURM_CONSTRAINT.fullmatch(self.constraint):
-            raise UsageError(f"{path}.constraint: {self.constraint!r} is not a SLURM feature expression")
-        for line in self.sbatch_extra:
-            check_sbatch_extra(f"{path}.sbatch_extra", line)
-
-
-def check_sbatch_extra(path: str, line: str) -> None:
-    """One `--option[=value]` sbatch line that `launch.py submit` does not render itself."""
-    match = SBATCH_EXTRA.fullmatch(line)
-    if match is None:
-        raise UsageError(f"{path}: {line!r} is not of the form --option or --option=value (no spaces)")
-    if match.group(1) in RENDERED_SBATCH_OPTIONS:
-        raise UsageError(
-            f"{path}: {line!r} sets --{match.group(1)}, which submit renders from the role's fields"
-        )
-
-
-@dataclass(frozen=True)
-class RolesConfig:
-    controller: RoleConfig = doc_field(RoleConfig, "The single controller rank.")
-    rollout: RoleConfig = doc_field(RoleConfig, "Inference engine ranks.")
-    env: RoleConfig = doc_field(RoleConfig, "Environment worker ranks.")
-    reward: RoleConfig = doc_field(RoleConfig, "Reward worker ranks (elastic pool).")
-    trainer: RoleConfig = doc_field(RoleConfig, "Trainer ranks (data parallel).")
-
-    def validate(self, path: str) -> None:
-        if self.controller.num_ranks != 1:
-            raise UsageError(f"{path}.controller.num_ranks: must be 1, got {self.controller.num_ranks}")
-        for name in ("rollout", "env", "trainer"):
-            if getattr(self, name).num_ranks < 1:
-                raise UsageError(f"{path}.{name}.num_ranks: must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -702,6 +626,12 @@ class ControllerConfig:
     )
     eval_samples: int = doc_field(1, "Evaluation: episodes per task (fixed seeds; the same in every round).")
     eval_greedy: bool = doc_field(False, "Evaluation: also play every task once greedily (temperature 0).")
+    redundancy: float = doc_field(
+        1.0,
+        "Redundant rollouts (async mode, tracker estimator): admit ceil(redundancy x batch_size) - batch_size "
+        "episodes beyond the staleness window; once a batch's results are in, the due episodes still running "
+        "are aborted and dropped (cause 'redundant'; each logged in run_dir/redundant.jsonl). 1 = off.",
+    )
 
     def validate(self, path: str) -> None:
         if self.eval_every_steps < 0 or self.eval_samples < 1:
@@ -713,6 +643,8 @@ class ControllerConfig:
             raise UsageError(
                 f"{path}: checkpoint_every_steps >= 0, checkpoint_every_s >= 0 and keep_checkpoints >= 1 required"
             )
+        if not 1.0 <= self.redundancy <= 4.0 or (self.redundancy > 1.0 and self.mode != "async"):
+            raise UsageError(f"{path}.redundancy: must be in [1, 4], and > 1 only in mode 'async'")
         if self.batch_size < 1 or self.num_steps < 1 or self.max_staleness < -1:
             raise UsageError(f"{path}: batch_size >= 1, num_steps >= 1, max_staleness >= -1 required")
 
@@ -736,10 +668,17 @@ class Config:
     controller: ControllerConfig = doc_field(
         ControllerConfig, "Controller: mode, staleness, batches (run.job = 'rl')."
     )
+    routing: RoutingConfig = doc_field(
+        RoutingConfig, "Routing of LLM turns to rollout pools and ranks (run.job = 'rl')."
+    )
 
     def validate(self, path: str) -> None:
+        self.trainer.validate_layout("trainer", self.roles.trainer.num_ranks)
         size, batch = self.algo.group_size, self.controller.batch_size
         if self.algo.estimator == "group" and batch % size:
             raise UsageError(
                 f"algo.group_size: {size} must divide controller.batch_size = {batch} (a batch holds whole groups)"
             )
+        if self.controller.redundancy > 1.0 and self.algo.estimator == "group":
+            raise UsageError("controller.redundancy: the group estimator trains whole groups; leave it at 1")
+        self.routing.check_pools([p.name for p in self.roles.pools()], self.envs.families)

@@ -6,6 +6,7 @@ controller -> env       DISPATCH            EpisodeTicket
 env -> rollout          GENERATE            (request_id, prompt_token_ids, SamplingParams)
 env -> rollout          ABORT               request_id
 rollout -> env          OUTPUT              RequestOutput
+rollout -> env          LOAD                RankLoad: the rank's load and costs, sent just before each OUTPUT
 env -> reward           SCORE               Trajectory (status ok)
 reward -> controller    RESULT              Trajectory (scored)   [env -> controller for failed ones]
 controller -> trainer   BATCH               TrainShard (this rank's share of step n)
@@ -18,6 +19,7 @@ controller -> all       START               TrainerStart (to trainers) or Worker
 controller -> trainer   CHECKPOINT          directory (str) for the trainers' part of a run checkpoint
 trainer -> controller   CHECKPOINTED        that directory (str): that part is written
 rank -> controller      STATS               RankStats: the rank's busy time, sent as it exits
+controller -> env       CANCEL              episode id: end that episode now (a redundant straggler)
 
 Infrastructure (not seen by role loops):
 
@@ -52,6 +54,8 @@ class Tag(enum.IntEnum):
     STATS = 14
     CHECKPOINT = 15
     CHECKPOINTED = 16
+    LOAD = 17
+    CANCEL = 18
     HEARTBEAT = 100
     TRAINER_RENDEZVOUS = 113
     SMOKE_HEARTBEAT = 200
@@ -61,4 +65,4 @@ class Tag(enum.IntEnum):
 
 
 # The tags a role loop's `Mailbox` carries (on its own communicator); infrastructure tags never reach it.
-ROLE_TAGS: frozenset[Tag] = frozenset(Tag(value) for value in range(Tag.DISPATCH, Tag.CHECKPOINTED + 1))
+ROLE_TAGS: frozenset[Tag] = frozenset(Tag(value) for value in range(Tag.DISPATCH, Tag.CANCEL + 1))

@@ -204,6 +204,25 @@ class StepReport(Record):
 
 
 @dataclass(frozen=True)
+class RankLoad(Record):
+    """rollout -> env (LOAD), just before each OUTPUT to that env rank: what the rollout rank holds now
+    and what its engine has done so far (counters are cumulative, so the newest report supersedes the
+    older ones). `fit` holds the sums of a least-squares fit of step seconds t on the step's prefill
+    tokens p and decode tokens d: (p*p, p*d, d*d, t*p, t*d); zeros where the engine does not say how a
+    step splits (vLLM)."""
+
+    rank: int
+    pool: str
+    requests: int
+    tokens: int
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    busy_s: float = 0.0
+    steps: int = 0
+    fit: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
 class RankStats(Record):
     """rank -> controller (STATS), as the rank exits: its role, its busy seconds, and how often the
     component it serves failed inside it and was replaced (rollout: engine failures and engine rebuilds;

@@ -18,6 +18,9 @@ Invariants (pinned by tests/test_controller_core.py):
    admitted trajectory ever falls out of the window, so nothing relies on discarding.
 3. The baseline of a ticket is frozen at dispatch (the tracker's dispatch event), whatever the arrival order.
 
+Redundancy (`controller.redundancy` r > 1; async, no groups): admission allows ceil(r B) - B more episodes;
+once the buffer holds B results the due in-flight ones are aborted (`stragglers`, see `redundancy.py`).
+
 Group estimator (GRPO, `group_size` G >= 2): the G tickets of a group (one task, one `group_id`) are dispatched
 back to back; the group reserves G admission slots when its first ticket goes out and its version (the
 staleness clock) is that ticket's v0, the oldest of the group. The sampler counts a group as one request of
@@ -43,6 +46,8 @@ from rollart_hpc.algo.tracker import EventTimeTracker, SPORho, SPOTracker, Value
 from rollart_hpc.config.choices import MODE_STALENESS, Mode
 from rollart_hpc.config.schema import AlgoConfig, ControllerConfig
 from rollart_hpc.contracts.records import EpisodeTicket, Trajectory
+from rollart_hpc.controller.redundancy import CAUSE as REDUNDANT
+from rollart_hpc.controller.redundancy import Redundancy
 
 
 @dataclass
@@ -94,6 +99,7 @@ class ControllerCore:
         clock: Callable[[], float] = time.time,
         group_size: int = 0,
         drift_per_version: float = 0.0,
+        redundancy: float = 1.0,
     ) -> None:
         if mode in MODE_STALENESS and MODE_STALENESS[mode] != max_staleness:
             raise ValueError(
@@ -103,7 +109,11 @@ class ControllerCore:
             raise ValueError(
                 f"group_size {group_size} must be >= {MIN_GROUP} and divide batch_size {batch_size}"
             )
+        if redundancy > 1.0 and (group_size or mode != "async"):
+            raise ValueError("redundancy > 1 needs mode 'async' and no groups")
         self.batch_size, self.max_staleness, self.mode = batch_size, max_staleness, mode
+        self.redundancy = Redundancy(batch_size, redundancy)
+        self.last_drop_cause = ""
         self.num_steps, self.seed = num_steps, seed
         self.tracker, self.sampler, self.clock = tracker, sampler, clock
         self.version = 0  # trainer version: optimizer steps completed and published
@@ -142,6 +152,7 @@ class ControllerCore:
         arrival_rho: SPORho | None = None,
         drift_per_version: float = 0.0,
         group_size: int = 0,
+        redundancy: float = 1.0,
     ) -> ControllerCore:
         """A core with a tracker (no offline outcomes: v = 0.5 per task): SPO++'s `EventTimeTracker`
         ('event_time') or SPO's `SPOTracker` ('arrival', rho from `arrival_rho`), and a `TaskSampler` over
@@ -171,6 +182,7 @@ class ControllerCore:
             seed=seed,
             group_size=group_size,
             drift_per_version=drift_per_version,
+            redundancy=redundancy,
         )
 
     @classmethod
@@ -191,11 +203,13 @@ class ControllerCore:
             arrival_rho=SPORho(rho_min=algo.arrival_rho_min, rho_max=algo.arrival_rho_max),
             drift_per_version=algo.arrival_drift_per_version,
             group_size=algo.group_size if algo.estimator == "group" else 0,
+            redundancy=controller.redundancy,
         )
 
     # ---- dispatch -------------------------------------------------------------------------------
     def admission_limit(self) -> int:
-        return min((self.rollout_version + self.max_staleness + 1), self.num_steps) * self.batch_size
+        window = min((self.rollout_version + self.max_staleness + 1), self.num_steps) * self.batch_size
+        return window + self.redundancy.surplus
 
     def can_dispatch(self) -> bool:
         if self.admitted >= self.admission_limit():
@@ -259,6 +273,8 @@ class ControllerCore:
         self._in_flight_by_version[ticket.version] -= 1
         if not self._in_flight_by_version[ticket.version]:
             del self._in_flight_by_version[ticket.version]
+        if self.redundancy.settle(ticket):
+            return self._drop_redundant(ticket, trajectory, "aborted")
         if trajectory.status == "failed":
             self.failed[trajectory.failure_cause] += 1
             if ticket.group_id:
@@ -276,12 +292,33 @@ class ControllerCore:
         outcome = "buffered"
         if self.version - ticket.version > self.max_staleness:
             self.dropped["stale"] += 1
+            self.last_drop_cause = "stale"
             outcome = "dropped"
         else:
             self.buffer[trajectory.episode_id] = BufferedResult(ticket, trajectory, self.clock())
         if ticket.group_id:
             self._member_back(ticket.group_id)
         return outcome
+
+    def _drop_redundant(self, ticket: EpisodeTicket, trajectory: Trajectory, when: str) -> str:
+        """An aborted straggler came back (or a surplus result is cut): dropped, its slot freed."""
+        self.redundancy.record(ticket, trajectory, when, self.version)
+        self.dropped[REDUNDANT] += 1
+        self.last_drop_cause = REDUNDANT
+        self.admitted -= 1
+        if when == "aborted":
+            self.sampler.release(ticket.task_id)
+        return "dropped"
+
+    def stragglers(self) -> list[str]:
+        """With redundancy, once the buffer holds a batch: the due episodes still in flight, marked as
+        aborted (each is returned once); the caller cancels them."""
+        if not self.redundancy.surplus or self.done or len(self.buffer) < self.batch_size:
+            return []
+        due = self.version - self.max_staleness
+        aborting = self.redundancy.aborting
+        late = [t for e, t in self.in_flight.items() if t.version <= due and e not in aborting]
+        return self.redundancy.mark(late)
 
     def _fold(self, ticket: EpisodeTicket, reward: float) -> None:
         """Fold one outcome into the tracker; the arrival tracker gets SPO's drift (module docstring)."""
@@ -321,7 +358,8 @@ class ControllerCore:
         due = self.version - self.max_staleness
         if any(g.version <= due and not self._ready(g) for g in self.groups.values()):
             return True
-        return any(version <= due for version in self._in_flight_by_version)
+        aborting = self.redundancy.by_version
+        return any(v <= due and n > aborting[v] for v, n in self._in_flight_by_version.items())
 
     def _ready(self, group: Group) -> bool:
         return group.returned == self.group_size
@@ -361,6 +399,11 @@ class ControllerCore:
         due_version = self.version - self.max_staleness
         due = [e for e, r in self.buffer.items() if r.ticket.version <= due_version]
         rest = [e for e, r in self.buffer.items() if r.ticket.version > due_version]
+        if len(due) > self.batch_size and self.redundancy.surplus:
+            for episode_id in due[self.batch_size :]:  # the last to finish of the surplus
+                result = self.buffer.pop(episode_id)
+                self._drop_redundant(result.ticket, result.trajectory, "surplus")
+            due = due[: self.batch_size]
         chosen = (due + rest)[: self.batch_size]
         if len(chosen) < self.batch_size:
             return None
@@ -436,6 +479,7 @@ class ControllerCore:
             "open_group": self.open_group,
             "next_group": self.next_group,
             "last_fold": dict(self.last_fold),
+            "aborting": sorted(self.redundancy.aborting),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -460,6 +504,7 @@ class ControllerCore:
         self.open_group = state.get("open_group")
         self.next_group = int(state.get("next_group", 0))
         self.last_fold = {t: int(v) for t, v in state.get("last_fold", {}).items()}
+        self.redundancy.mark([self.in_flight[e] for e in state.get("aborting", ()) if e in self.in_flight])
 
     @property
     def quiescent(self) -> bool:

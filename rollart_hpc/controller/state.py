@@ -12,6 +12,7 @@ dispatch); in sync mode training dispatch waits for the round (evaluation betwee
 
 from __future__ import annotations
 
+import json
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -112,7 +113,27 @@ class Controller:
         if outcome == "failed":
             self.store.mark([traj.episode_id], "failed", self.core.version, traj.failure_cause)
         elif outcome == "dropped":
-            self.store.mark([traj.episode_id], "dropped", self.core.version, "stale")
+            self.store.mark([traj.episode_id], "dropped", self.core.version, self.core.last_drop_cause)
+        self.log_redundant()
+
+    def cancel_stragglers(self) -> None:
+        """Redundancy: end the due episodes still running once a batch's results are in."""
+        for episode_id in self.core.stragglers():
+            rank = self.env_of.get(episode_id)
+            if rank is not None:
+                self.ctx.mailbox.send(episode_id, rank, Tag.CANCEL)
+
+    def log_redundant(self) -> None:
+        """run_dir/redundant.jsonl: every episode dropped by redundancy (task, length, reward so far);
+        surplus results cut from a batch are marked in the store here (aborted ones on their return)."""
+        records = self.core.redundancy.take()
+        if not records:
+            return
+        surplus = [r["episode_id"] for r in records if r["when"] == "surplus"]
+        if surplus:
+            self.store.mark(surplus, "dropped", self.core.version, "redundant")
+        with (self.ctx.run_dir / "redundant.jsonl").open("a") as fh:
+            fh.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
 
     def on_trained(self, report: StepReport) -> None:
         step = report.step
@@ -197,7 +218,9 @@ class Controller:
         """Hand the next batch to the idle trainers (not while a checkpoint is due)."""
         if self.trainer_busy or checkpoint_due:
             return
+        self.cancel_stragglers()
         batch = self.core.next_batch()
+        self.log_redundant()
         if batch is None:
             return
         advantages, diagnostics = batch_advantages(batch, self.config.algo)

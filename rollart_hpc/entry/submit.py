@@ -148,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or f"runs/{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     check_run_dir(run_dir)
     spec = job_spec(config, run_dir, args.time_min, args.max_requeues)
-    if len(plan_partitions(plan)) > 1:
+    if len(plan_partitions(plan)) > 1 or len(plan.pools()) > 1:  # each rollout pool: a component
         if args.nodes != 1:
             raise UsageError(
                 "--nodes applies to single-partition jobs; hetjob components get nodes from SLURM"

@@ -15,13 +15,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import time
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollart_hpc.cluster.context import RunContext
+from rollart_hpc.cluster.mailbox import Mailbox
 from rollart_hpc.config.schema import Config
+from rollart_hpc.contracts.atomic import atomic_write_bytes
 from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.contracts.records import EpisodeTicket, RankStats, Ready, WorkerStart
 from rollart_hpc.envs.agent_loop import AgentConfig
@@ -30,29 +33,39 @@ from rollart_hpc.envs.episodes import is_greedy_episode, seed_key
 from rollart_hpc.envs.types import Task
 from rollart_hpc.envs.worker import EnvWorker, EnvWorkerConfig
 from rollart_hpc.metrics.timeline import Timeline
-from rollart_hpc.rollout.routing import rollout_index
+from rollart_hpc.rollout.routing import PoolSpec, Router, episode_of
 from rollart_hpc.rollout.types import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+def pool_specs(config: Config, ctx: RunContext) -> list[PoolSpec]:
+    """The run's rollout pools as the router sees them: ranks, engine slots, tags."""
+    ranks = ctx.pools
+    return [
+        PoolSpec(p.name, tuple(ranks[p.name]), p.num_slots or config.rollout.num_slots, tuple(p.tags))
+        for p in config.roles.pools()
+    ]
+
+
 class MPIClient:
-    """`LLMClient` over MPI: requests go to a rollout rank chosen by episode (prefix affinity)."""
+    """`LLMClient` over MPI: each request goes to the rollout rank its `Router` picks (`routing.policy`)."""
 
-    def __init__(self, ctx: RunContext) -> None:
-        self.mailbox = ctx.mailbox
-        self.seed = ctx.config.run.seed
-        self.rollouts = ctx.ranks["rollout"]
+    def __init__(self, mailbox: Mailbox, seed: int, router: Router) -> None:
+        self.mailbox, self.seed, self.router = mailbox, seed, router
         self.futures: dict[str, tuple[asyncio.Future[RequestOutput], int]] = {}
+        self.cancelled: set[str] = set()
 
-    def route(self, request_id: str) -> int:
-        return self.rollouts[rollout_index(request_id, len(self.rollouts))]
+    def route(self, request_id: str, prompt_tokens: int = 0, max_tokens: int = 0) -> int:
+        return self.router.route(request_id, prompt_tokens, max_tokens)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> RequestOutput:
-        rank = self.route(request_id)
+        if episode_of(request_id) in self.cancelled:
+            return RequestOutput(request_id, [], finished=True, finish_reason="abort")
+        rank = self.route(request_id, len(prompt_token_ids), sampling.max_tokens)
         # A per-request seed makes a run reproducible whatever the engine batches together.
         sampling = dataclasses.replace(
             sampling, seed=zlib.crc32(f"{self.seed}:{seed_key(request_id)}".encode())
@@ -62,6 +75,15 @@ class MPIClient:
         self.mailbox.send((request_id, prompt_token_ids, sampling), rank, Tag.GENERATE)
         return await future
 
+    def cancel(self, episode_id: str) -> None:
+        """End an episode now: its pending turn (and every later one) is answered "abort"."""
+        if episode_id not in self.router.episodes:
+            return  # already ended (its trajectory is on its way)
+        self.cancelled.add(episode_id)
+        for request_id, (_, rank) in list(self.futures.items()):
+            if episode_of(request_id) == episode_id:
+                self.mailbox.send(request_id, rank, Tag.ABORT)
+
     async def abort(self, request_id: str) -> None:
         entry = self.futures.pop(request_id, None)
         if entry is not None:
@@ -69,12 +91,14 @@ class MPIClient:
 
     def resolve(self, out: RequestOutput) -> None:
         entry = self.futures.pop(out.request_id, None)
+        self.router.on_output(out.request_id, len(out.token_ids))
         if entry is not None and not entry[0].done():
             entry[0].set_result(out)
 
     def abort_all(self) -> None:
         for request_id, (future, rank) in list(self.futures.items()):
             self.mailbox.send(request_id, rank, Tag.ABORT)
+            self.router.forget(request_id)
             if not future.done():
                 future.set_result(RequestOutput(request_id, [], finished=True, finish_reason="abort"))
         self.futures.clear()
@@ -84,7 +108,8 @@ class EnvRank:
     def __init__(self, config: Config, ctx: RunContext, worker: EnvWorker, tasks: dict[str, Task]) -> None:
         self.config, self.ctx, self.worker, self.tasks = config, ctx, worker, tasks
         self.greedy = dataclasses.replace(worker.agent, temperature=0.0)
-        self.client = MPIClient(ctx)
+        router = Router(config.routing, pool_specs(config, ctx))
+        self.client = MPIClient(ctx.mailbox, config.run.seed, router)
         self.running: set[asyncio.Task[None]] = set()
         self.rewards = itertools.cycle(ctx.ranks["reward"]) if ctx.ranks["reward"] else None
         self.stopping = False
@@ -96,10 +121,13 @@ class EnvRank:
         task = self.tasks[ticket.task_id]
         dispatch = ticket.dispatch_record(self.ctx.world.rank, task.family)
         agent = self.greedy if is_greedy_episode(ticket.episode_id) else None
+        self.client.router.begin(ticket.episode_id, task.family, task.tags)
         with self.timeline.span():
             traj = await self.worker.run_episode(
                 task, self.client, dispatch=dispatch, episode_id=ticket.episode_id, agent=agent
             )
+        self.client.router.end(ticket.episode_id)
+        self.client.cancelled.discard(ticket.episode_id)
         self.busy_s += time.perf_counter() - start
         if traj.status == "ok" and self.rewards is not None:
             self.ctx.mailbox.send(traj, next(self.rewards), Tag.SCORE)
@@ -111,12 +139,33 @@ class EnvRank:
         self.running.add(task)
         task.add_done_callback(self.running.discard)
 
+    def log_decision(self, decision: dict[str, object] | None) -> None:
+        if decision is not None:
+            self.ctx.log.info(f"routing decision: {json.dumps(decision, sort_keys=True)}")
+
+    def write_routing(self, run_dir: Path) -> None:
+        """run_dir/routing/env-<rank>.json: the policy, per-pool metrics and every affinity decision."""
+        router = self.client.router
+        report = {
+            "policy": router.routing.policy,
+            "pools": router.metrics(),
+            "decisions": router.decisions,
+            "fallback_events": router.fallback_events,
+        }
+        target = run_dir / "routing" / f"env-{self.ctx.world.rank}.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(target, json.dumps(report, indent=1, sort_keys=True).encode())
+
     async def pump(self) -> None:
         mailbox = self.ctx.mailbox
         while not self.stopping or self.running:
             for msg in mailbox.poll():
                 if msg.tag == Tag.DISPATCH:
                     self.start_episode(msg.payload)
+                elif msg.tag == Tag.CANCEL:
+                    self.client.cancel(msg.payload)
+                elif msg.tag == Tag.LOAD:
+                    self.client.router.on_load(msg.payload)
                 elif msg.tag == Tag.OUTPUT:
                     self.client.resolve(msg.payload)
                 elif msg.tag == Tag.STOP:
@@ -125,6 +174,7 @@ class EnvRank:
                 self.client.abort_all()
             for task in [t for t in self.running if t.done()]:
                 task.result()  # an exception in an episode task is a bug: surface it
+            self.log_decision(self.client.router.maybe_adapt())
             mailbox.check()
             await asyncio.sleep(0.001)
 
@@ -139,6 +189,7 @@ async def serve(config: Config, ctx: RunContext, tokenizer: PreTrainedTokenizerB
         rank = EnvRank(config, ctx, worker, tasks)
         await rank.pump()
         rank.timeline.write(ctx.run_dir)
+        rank.write_routing(ctx.run_dir)
         return rank.busy_s
 
 

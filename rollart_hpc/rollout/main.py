@@ -12,10 +12,17 @@ from the newest weights (at most `rollout.max_engine_rebuilds` times), the reque
 as errors, and the rank reports its engine failures and rebuilds in its STATS. While rebuilds are
 allowed, `ENGINE_FAULT_SIGNAL` (SIGRTMIN+1) fails the engine's next step (fault injection, `launch.py
 chaos`); otherwise that signal keeps its default action and ends the rank.
+
+Routing: the rank belongs to one rollout pool (`roles.rollout_pools`; engine slots and threads may be
+the pool's own) and, just before each OUTPUT, sends the asking env rank a LOAD report (`RankLoad`: the
+requests and tokens it holds, its engine's prefill/decode tokens and the step-time fit of
+`rollout.costs.StepMeter`), which the env rank's router uses to pick the least-loaded rank of a pool and
+to measure each pool's prefill and decode costs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -23,11 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollart_hpc.cluster.context import RunContext
+from rollart_hpc.config.roles import DEFAULT_POOL, RolloutPoolConfig
 from rollart_hpc.config.schema import Config, RolloutConfig
 from rollart_hpc.contracts.protocol import Tag
-from rollart_hpc.contracts.records import RankStats, Ready, WeightAnnouncement, WorkerStart
+from rollart_hpc.contracts.records import RankLoad, RankStats, Ready, WeightAnnouncement, WorkerStart
 from rollart_hpc.metrics.timeline import Timeline
 from rollart_hpc.rollout.api import Engine
+from rollart_hpc.rollout.costs import CostProfile, StepMeter
 from rollart_hpc.rollout.engines import build_engine
 from rollart_hpc.rollout.resilient import FaultInjector, ResilientEngine, arm_fault_signal
 
@@ -68,9 +77,43 @@ class _WeightThread:
             raise RuntimeError(f"weight receive failed: {self.error}") from self.error
 
 
-def serve(ctx: RunContext, engine: Engine, receiver: WeightSource) -> None:
+class _Held:
+    """The requests this rank holds: who asked, and how many tokens each may take (its load)."""
+
+    def __init__(self, rank: int, pool: str, meter: StepMeter) -> None:
+        self.rank, self.pool, self.meter = rank, pool, meter
+        self.owners: dict[str, tuple[int, int]] = {}
+        self.tokens = 0
+
+    def add(self, request_id: str, source: int, tokens: int) -> None:
+        self.owners[request_id] = (source, tokens)
+        self.tokens += tokens
+
+    def pop(self, request_id: str) -> int | None:
+        entry = self.owners.pop(request_id, None)
+        if entry is None:
+            return None
+        self.tokens -= entry[1]
+        return entry[0]
+
+    def load(self) -> RankLoad:
+        m = self.meter
+        return RankLoad(
+            self.rank, self.pool, len(self.owners), self.tokens, m.prefill_tokens, m.decode_tokens,
+            m.busy_s, m.steps, m.fit,
+        )  # fmt: skip
+
+
+def serve(
+    ctx: RunContext,
+    engine: Engine,
+    receiver: WeightSource,
+    pool: str = DEFAULT_POOL,
+    meter: StepMeter | None = None,
+) -> None:
     mailbox = ctx.mailbox
-    owners: dict[str, int] = {}
+    meter = meter or StepMeter()
+    held = _Held(ctx.world.rank, pool, meter)
     weights = _WeightThread(receiver, engine)
     reported = engine.version
     busy_s, stopping = 0.0, False
@@ -79,7 +122,7 @@ def serve(ctx: RunContext, engine: Engine, receiver: WeightSource) -> None:
         for msg in mailbox.poll():
             if msg.tag == Tag.GENERATE:
                 request_id, prompt, sampling = msg.payload
-                owners[request_id] = msg.source
+                held.add(request_id, msg.source, len(prompt) + sampling.max_tokens)
                 engine.add_request(request_id, prompt, sampling)
             elif msg.tag == Tag.ABORT:
                 engine.abort(msg.payload)
@@ -88,15 +131,16 @@ def serve(ctx: RunContext, engine: Engine, receiver: WeightSource) -> None:
                 weights.start(announcement.version)
             elif msg.tag == Tag.STOP:
                 stopping = True
-                for request_id in list(owners):
+                for request_id in list(held.owners):
                     engine.abort(request_id)
         weights.raise_error()
         if engine.has_unfinished():
             start = time.perf_counter()
             with timeline.span():
-                for out in engine.step():
-                    dest = owners.pop(out.request_id, None)
+                for out in meter.run_step(engine):
+                    dest = held.pop(out.request_id)
                     if dest is not None:
+                        mailbox.send(held.load(), dest, Tag.LOAD)
                         mailbox.send(out, dest, Tag.OUTPUT)
             busy_s += time.perf_counter() - start
         elif engine.has_staged_weights():
@@ -125,18 +169,38 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     assert group is not None, "every rollout rank is a member of the weights group"
     import torch
 
-    torch.set_num_threads(config.rollout.num_threads)
+    pool = rank_pool(config, ctx.world.plan.role_of(ctx.world.rank).pool)
+    rollout = pool_rollout(config.rollout, pool)
+    torch.set_num_threads(rollout.num_threads)
     start: WorkerStart = ctx.mailbox.wait_for(Tag.START, source=0).payload
     model_dir = Path(start.model_dir)
     receiver = GroupWeightReceiver.open(group)
     seed = config.run.seed + ctx.world.rank
-    engine = resilient_engine(config.rollout, model_dir, start.version, seed, ctx.log.warning)
-    ctx.log.info(f"{config.rollout.engine} engine ready: {config.rollout.num_slots} slots, model {model_dir}")
+    engine = resilient_engine(rollout, model_dir, start.version, seed, ctx.log.warning)
+    ctx.log.info(
+        f"{rollout.engine} engine ready: pool {pool.name}, {rollout.num_slots} slots, model {model_dir}"
+    )
     ctx.mailbox.send(Ready(), 0, Tag.READY)
+    meter = StepMeter(CostProfile(pool.prefill_cost_scale, pool.decode_cost_scale))
     try:
-        serve(ctx, engine, receiver)
+        serve(ctx, engine, receiver, pool.name, meter)
     finally:
         engine.close()
+
+
+def rank_pool(config: Config, name: str) -> RolloutPoolConfig:
+    """The pool config of a rank whose plan range is pool `name` ('' = the single default pool)."""
+    pools = config.roles.pools()
+    return next((p for p in pools if p.name == name), pools[0])
+
+
+def pool_rollout(rollout: RolloutConfig, pool: RolloutPoolConfig) -> RolloutConfig:
+    """The engine settings of a pool's ranks: the pool's slots and threads where it sets them."""
+    return dataclasses.replace(
+        rollout,
+        num_slots=pool.num_slots or rollout.num_slots,
+        num_threads=pool.num_threads or rollout.num_threads,
+    )
 
 
 def resilient_engine(
