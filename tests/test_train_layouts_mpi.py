@@ -96,6 +96,10 @@ def test_tensor_pipeline_and_data_parallel_steps_match_one_rank(model_dir: Path,
         got = _run(model_dir, tmp_path / f"tp{tp}pp{pp}dp{dp}sp{sp:d}", tp, pp, dp, sequence_parallel=sp)
         for step in (0, 1):
             _assert_same_step(got, ref, step)
+            # publication gathers unit by unit (one layer at most: 12 HF tensors with qwen2's qkv biases),
+            # and the units together are the same model in the same order
+            same, largest = got["units_match"][step]
+            assert same and largest <= 12, (tp, pp, dp, largest)
 
 
 def test_a_checkpoint_resumes_at_another_layout(model_dir: Path, tmp_path: Path) -> None:

@@ -52,7 +52,8 @@ class _RecordingMessenger:
             return self.announced[rank].pop(0)
 
 
-def test_in_process_transport_passes_the_contract_with_two_receivers() -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["publish", "publish_stream"])
+def test_in_process_transport_passes_the_contract_with_two_receivers(stream: bool) -> None:
     events: list[tuple[str, int, int]] = []
     messenger = _RecordingMessenger(events)
     transport = InProcessWeightTransport(num_receivers=2, timeout_s=10)
@@ -68,7 +69,7 @@ def test_in_process_transport_passes_the_contract_with_two_receivers() -> None:
     threads = [threading.Thread(target=receive, args=(rank,)) for rank in (1, 2)]
     for t in threads:
         t.start()
-    sent = contract.send_versions(sender)
+    sent = contract.send_versions(sender, stream=stream)
     for t in threads:
         t.join(10)
     assert got == {1: sent, 2: sent}

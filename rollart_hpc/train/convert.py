@@ -246,6 +246,37 @@ def _layer_to_hf(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig, i: int
     return out
 
 
+def hf_units(num_layers: int, pp_size: int) -> list[tuple[str, int]]:
+    """The units the HF weights are gathered in for publication, in the order `megatron_to_hf` emits them
+    stage by stage: ("embed", 0) on the first stage, ("final", 0) (final norm and untied head) on the
+    last, then ("layer", i) for each global layer i of the stage."""
+    units: list[tuple[str, int]] = []
+    for stage in range(pp_size):
+        units += [("embed", 0)] if stage == 0 else []
+        units += [("final", 0)] if stage == pp_size - 1 else []
+        units += [("layer", i) for i in stage_layers(num_layers, stage, pp_size)]
+    return units
+
+
+def unit_entries(state: dict[str, torch.Tensor], unit: tuple[str, int]) -> dict[str, torch.Tensor]:
+    """The entries of a Megatron shard (global layer numbers) that belong to `unit` (see `hf_units`)."""
+    kind, index = unit
+    if kind == "embed":
+        return {k: v for k, v in state.items() if k == EMBED}
+    if kind == "final":
+        return {k: v for k, v in state.items() if k in (FINAL_NORM, OUTPUT)}
+    prefix = f"decoder.layers.{index}."
+    return {k: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def unit_to_hf(
+    shards: list[dict[str, torch.Tensor]], cfg: ModelConfig, unit: tuple[str, int]
+) -> dict[str, torch.Tensor]:
+    """HF weights of one unit from the entries of every tensor-parallel rank holding it, in rank order."""
+    kind, index = unit
+    return megatron_to_hf(shards, cfg, range(index, index + 1) if kind == "layer" else range(0))
+
+
 def megatron_to_hf(
     shards: list[dict[str, torch.Tensor]], cfg: ModelConfig, layers: range | None = None
 ) -> dict[str, torch.Tensor]:

@@ -113,6 +113,24 @@ def shard_to_batch(shard: TrainShard) -> PackedBatch:
     )
 
 
+def publish(trainer: Trainer, sender: WeightSender | None, version: int) -> None:
+    """Publish the weights as `version` (the sender lives on the first trainer; every rank of the first
+    replica calls this). One model-parallel rank: `hf_state_dict()` returns fresh copies that nothing
+    changes, so they are announced, then packed and sent in the background without a second copy. Under
+    tensor or pipeline parallelism the weights are gathered one unit at a time (`Trainer.hf_units`) and
+    each bucket goes on the wire as soon as its units are packed: the whole model never meets on one rank."""
+    lay = trainer.layout
+    if lay.tp_size * lay.pp_size == 1:
+        weights = trainer.hf_state_dict()
+        if sender is not None:
+            sender.publish(version, weights, snapshot=False)
+    elif sender is not None:
+        sender.publish_stream(version, trainer.hf_units())
+    else:
+        for _ in trainer.hf_units():  # this rank's share of each unit's gather
+            pass
+
+
 def rl_loop(config: Config, ctx: RunContext, trainer: Trainer, sender: WeightSender | None) -> float:
     from rollart_hpc.algo.loss import LossConfig  # torch
 
@@ -132,11 +150,8 @@ def rl_loop(config: Config, ctx: RunContext, trainer: Trainer, sender: WeightSen
         start = time.perf_counter()
         span_start = time.time()
         report = trainer.rl_step(shard_to_batch(shard), shard.num_global_action_tokens, cfg)
-        weights = trainer.hf_state_dict()  # all ranks: the model-parallel shards meet on the first trainer
+        publish(trainer, sender, shard.step + 1)
         if sender is not None:
-            # Announced, then packed and sent in the background: hf_state_dict() returns fresh copies that
-            # nothing changes, so the sender does not copy them again while the trainer waits.
-            sender.publish(shard.step + 1, weights, snapshot=False)
             step_report = StepReport(shard.step, time.perf_counter() - start, report)
             mailbox.send(step_report, 0, Tag.TRAINED)
         busy_s += time.perf_counter() - start
@@ -183,10 +198,11 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     trainer.save_hf(current)  # all ranks gather; the first trainer writes
     ctx.mailbox.send(Ready(str(current), time.perf_counter() - started), 0, Tag.READY)
     sender = None
-    initial = trainer.hf_state_dict()
+    # The layout of the published tensors (names, shapes, dtypes), gathered unit by unit as they will be.
+    specs = {name: t.to("meta") for unit in trainer.hf_units() for name, t in unit.items()}
     if group is not None:
         announce = announce_to(ctx.mailbox, ctx.ranks["rollout"], Tag.WEIGHTS, WeightAnnouncement)
-        sender = GroupWeightSender.open(group, initial, config.trainer.bucket_mb, announce)
+        sender = GroupWeightSender.open(group, specs, config.trainer.bucket_mb, announce)
     busy_s = rl_loop(config, ctx, trainer, sender)
     ctx.mailbox.send(RankStats("trainer", busy_s), 0, Tag.STATS)
     ctx.mailbox.flush()

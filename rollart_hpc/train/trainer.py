@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -46,7 +46,8 @@ from rollart_hpc.train.batch import (
     token_positions,
 )
 from rollart_hpc.train.config import TrainerConfig
-from rollart_hpc.train.convert import from_stage, megatron_to_hf, stage_layers
+from rollart_hpc.train.convert import from_stage, megatron_to_hf, stage_layers, unit_entries, unit_to_hf
+from rollart_hpc.train.convert import hf_units as convert_units
 from rollart_hpc.train.lm_head import token_logprobs
 from rollart_hpc.train.model import Layout, ensure_model_parallel, gpt_from_hf
 
@@ -398,6 +399,35 @@ class Trainer:
         if gathered is None:
             return {}
         return _assemble_hf(sorted(gathered, key=lambda item: item[0]), cfg, lay.pp_size)
+
+    def hf_units(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The HF weights unit by unit (`convert.hf_units`: the embedding, the final norm and head, each
+        layer), each gathered on trainer rank 0 from the ranks of the first replica that hold it, so no
+        rank ever holds more than its own shard plus one unit; rank 0 yields the unit's HF tensors, the
+        other ranks of the replica empty dicts. Their union is `hf_state_dict()`, in its order. All ranks
+        of the first replica iterate it together (one gather per unit); other replicas get nothing."""
+        from megatron.core import parallel_state
+
+        cfg, lay = self.model_config, self.layout
+        if lay.dp_rank != 0:
+            return
+        if lay.tp_size * lay.pp_size == 1:
+            yield self.hf_state_dict()
+            return
+        group = parallel_state.get_model_parallel_group()
+        dst = dist.get_process_group_ranks(group)[0]
+        state = self._stage_state()
+        for unit in convert_units(cfg.num_layers, lay.pp_size):
+            mine = ((lay.pp_rank, lay.tp_rank), {k: v.cpu() for k, v in unit_entries(state, unit).items()})
+            gathered: list[Any] | None = (
+                [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+            )
+            dist.gather_object(mine, gathered, dst=dst, group=group)
+            if gathered is None:
+                yield {}
+                continue
+            shards = [part for _, part in sorted(gathered, key=lambda item: item[0]) if part]
+            yield unit_to_hf(shards, cfg, unit)
 
     def save_hf(self, directory: str | Path) -> Path:
         """Write an HF model directory (safetensors + the source's config and tokenizer files) atomically:

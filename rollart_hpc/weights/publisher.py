@@ -14,6 +14,10 @@ Dataflow of one version (round r, counted from 1 on every member):
    caller's tensor, so the large tensors cost no copy on the sending side. The caller must not change
    its tensors until `wait_packed()` returns (e.g. it runs its next forward and backward meanwhile and
    waits before the optimizer step); with direct sends that is when their broadcasts have ended.
+   `publish_stream(version, chunks)` takes the tensors as a sequence of chunks instead (a model-parallel
+   trainer gathers one unit at a time, so no rank holds the whole model twice): each chunk is packed into
+   its slots as it comes, and each bucket's broadcast is issued as soon as it and every bucket before it
+   are complete; it returns once the last chunk is packed (a snapshot, as above).
 2. receiver: `receive(on_bucket)` marks its arrival, takes part in the header broadcast, checks the
    header against its layout, then issues every bucket broadcast at once into its receive buffers
    (allocated once, reused by every version) and waits for them in order; as soon as bucket i has
@@ -53,8 +57,10 @@ from rollart_hpc.weights.buckets import (
     bucket_checksum,
     bucket_views,
     check_matches,
+    dtype_name,
     lone_slot,
     pack_bucket,
+    slot_view,
     tensor_bytes,
 )
 from rollart_hpc.weights.group import StandaloneGroup
@@ -145,6 +151,65 @@ class WeightPublisher:
         )
         self._thread.start()
 
+    def publish_stream(self, version: int, chunks: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """Start broadcasting `version` from `chunks` of named tensors (together exactly the layout's names,
+        in any order); see the module docstring. Returns once every chunk is packed."""
+        self.wait()
+        self.round += 1
+        self.group.mark_arrival(self.round)
+        header = torch.tensor(
+            [MAGIC, version, self.layout.num_buckets, self.layout.fingerprint(), int(self.checksum)],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        works = [(self.group.start_broadcast(header, self.group.member), f"weights v{version} header")]
+        missing = [0] * self.layout.num_buckets
+        for slot in self.layout.slots:
+            missing[slot.bucket] += 1
+        slots = {entry.name: entry for entry in self.layout.slots}
+        packed: set[str] = set()
+        issued = 0
+        self._packed.clear()
+        try:
+            for chunk in chunks:
+                for name, tensor in chunk.items():
+                    place = slots.get(name)
+                    if place is None or name in packed:
+                        raise WeightSyncError(
+                            f"weights v{version}: {name!r} is not in the layout or comes twice"
+                        )
+                    if tuple(tensor.shape) != place.shape or dtype_name(tensor.dtype) != place.dtype:
+                        raise WeightSyncError(
+                            f"weights v{version}: {name} is {tuple(tensor.shape)} {dtype_name(tensor.dtype)}, "
+                            f"the layout has {place.shape} {place.dtype}"
+                        )
+                    self._buffer(place.bucket)
+                    slot_view(place, self.buckets).copy_(tensor.detach())
+                    packed.add(name)
+                    missing[place.bucket] -= 1
+                while issued < self.layout.num_buckets and missing[issued] == 0:
+                    self._sent[issued] = self.buckets[issued]
+                    work = self.group.start_broadcast(self.buckets[issued], self.group.member)
+                    works.append((work, f"weights v{version} bucket {issued}/{self.layout.num_buckets}"))
+                    issued += 1
+            if issued < self.layout.num_buckets:
+                absent = sorted(set(slots) - packed)[:3]
+                raise WeightSyncError(f"weights v{version}: the chunks left out {absent}")
+        finally:
+            self._packed.set()
+        self._thread = threading.Thread(
+            target=self._finish, args=(version, None, works, header), name=f"weights-v{version}", daemon=True
+        )
+        self._thread.start()
+
+    def _buffer(self, index: int) -> torch.Tensor:
+        """Bucket `index`'s send buffer, allocated on first use."""
+        if self.buckets[index].numel() != self.layout.bucket_nbytes[index]:
+            self.buckets[index] = torch.empty(
+                self.layout.bucket_nbytes[index], dtype=torch.uint8, device=self.device
+            )
+        return self.buckets[index]
+
     def _pack_and_issue(
         self, version: int, tensors: Mapping[str, torch.Tensor], direct: bool
     ) -> tuple[list[tuple[Any, str]], bool]:
@@ -157,10 +222,7 @@ class WeightPublisher:
             if direct and slot is not None and tensors[slot.name].device == self.device:
                 wire = tensor_bytes(tensors[slot.name])
             if wire is None:
-                if self.buckets[index].numel() != self.layout.bucket_nbytes[index]:
-                    self.buckets[index] = torch.empty(
-                        self.layout.bucket_nbytes[index], dtype=torch.uint8, device=self.device
-                    )
+                self._buffer(index)
                 pack_bucket(self.layout, index, tensors, self.buckets)
                 wire = self.buckets[index]
             else:

@@ -52,6 +52,11 @@ class WeightSender(Protocol):
         again (e.g. fresh copies), so the sender need not copy them before it returns."""
         ...
 
+    def publish_stream(self, version: int, chunks: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """Announce and send `version` from chunks of named tensors (together the whole model, e.g. one
+        gathered unit at a time); a snapshot, as `publish`: the chunks may change once it returns."""
+        ...
+
     def wait(self) -> None: ...
 
 
@@ -135,6 +140,14 @@ class GroupWeightSender:
             self.announce(version)
         self.publisher.publish(version, named_tensors, snapshot=snapshot)
 
+    def publish_stream(self, version: int, chunks: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        """`WeightSender.publish_stream`: each bucket goes on the wire as soon as its chunks are packed
+        (`WeightPublisher.publish_stream`)."""
+        self.publisher.wait()
+        if self.announce is not None:
+            self.announce(version)
+        self.publisher.publish_stream(version, chunks)
+
     def wait_packed(self) -> None:
         self.publisher.wait_packed()
 
@@ -202,6 +215,9 @@ class InProcessWeightSender:
             target=self._finish, args=(version, acks), name=f"weights-v{version}", daemon=True
         )
         self._thread.start()
+
+    def publish_stream(self, version: int, chunks: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        self.publish(version, {name: t for chunk in chunks for name, t in chunk.items()}, snapshot=True)
 
     def _finish(self, version: int, acks: list[threading.Event]) -> None:
         deadline = time.monotonic() + self.transport.timeout_s

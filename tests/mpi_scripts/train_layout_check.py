@@ -6,8 +6,9 @@ Every rank takes its share of the same global batch (`split_across_ranks` over a
 one model-parallel group pool theirs). Unless LOAD_FROM is given the world runs RL step 1 and, when
 SAVE_TO is given, checkpoints after it; with LOAD_FROM it restores that checkpoint instead. Then it runs
 RL step 2 on a second batch. LAYOUT_LOSS_IMPL (fused | eager) picks `trainer.loss_impl`;
-LAYOUT_SEQUENCE_PARALLEL=1 turns on sequence parallelism. Rank 0 writes `OUT/result.pt`: each step's metrics and the HF weights
-gathered after each step.
+LAYOUT_SEQUENCE_PARALLEL=1 turns on sequence parallelism. Rank 0 writes `OUT/result.pt`: each step's metrics, the HF weights
+gathered after each step, and whether the unit-by-unit gather of the publication path gives the same tensors in
+the same order (with the largest unit's tensor count).
 """
 
 from __future__ import annotations
@@ -64,7 +65,13 @@ def main(argv: list[str]) -> None:
         shard = split_across_ranks(batch, world)[rank]  # type: ignore[arg-type]
         metrics = trainer.rl_step(shard, batch.num_action_tokens, LossConfig())  # type: ignore[attr-defined]
         result["metrics"].append(metrics)  # type: ignore[attr-defined]
-        result["weights"].append(trainer.hf_state_dict())  # type: ignore[attr-defined]
+        whole = trainer.hf_state_dict()
+        result["weights"].append(whole)  # type: ignore[attr-defined]
+        # The publication path: one unit gathered at a time, together the same tensors in the same order.
+        units = list(trainer.hf_units())
+        merged = {name: t for unit in units for name, t in unit.items()}
+        same = list(merged) == list(whole) and all(torch.equal(merged[k], whole[k]) for k in whole)
+        result.setdefault("units_match", []).append((same, max(len(u) for u in units) if units else 0))  # type: ignore[attr-defined]
         if step == 1 and save_to:
             trainer.save_checkpoint(save_to)
     if rank == 0:

@@ -44,15 +44,19 @@ def digest(named: Iterable[tuple[str, torch.Tensor]]) -> Digest:
     }
 
 
-def send_versions(sender: WeightSender, snapshot: bool = True) -> dict[int, Digest]:
+def send_versions(sender: WeightSender, snapshot: bool = True, stream: bool = False) -> dict[int, Digest]:
     """Publish every version; returns the digest of what each publish was given. With `snapshot` the
     sender scribbles over its tensors right after each publish; without, it hands over fresh tensors
-    that it never touches again (the hand-over rule of `publish(snapshot=False)`)."""
+    that it never touches again (the hand-over rule of `publish(snapshot=False)`). With `stream` it
+    publishes one chunk per tensor, in reverse order (`publish_stream`, a snapshot too)."""
     sent = {}
     handed_over = []
     for version in VERSIONS:
         named = model(version)
-        sender.publish(version, named, snapshot=snapshot)
+        if stream:
+            sender.publish_stream(version, ({name: named[name]} for name in reversed(named)))
+        else:
+            sender.publish(version, named, snapshot=snapshot)
         sent[version] = digest(model(version).items())
         if snapshot:
             for t in named.values():  # the caller may step on at once: the snapshot is already taken
