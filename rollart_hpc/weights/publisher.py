@@ -128,15 +128,7 @@ class WeightPublisher:
         self.wait()
         tensors = dict(named.items() if isinstance(named, Mapping) else named)
         check_matches(self.layout, tensors)
-        self.round += 1
-        self.group.mark_arrival(self.round)
-        header = torch.tensor(
-            [MAGIC, version, self.layout.num_buckets, self.layout.fingerprint(), int(self.checksum)],
-            dtype=torch.int64,
-            device=self.device,
-        )
-        works = [(self.group.start_broadcast(header, self.group.member), f"weights v{version} header")]
-        self._packed.clear()
+        header, works = self._start_round(version)
         if snapshot:
             try:
                 works += self._pack_and_issue(version, tensors, direct=False)[0]
@@ -155,21 +147,13 @@ class WeightPublisher:
         """Start broadcasting `version` from `chunks` of named tensors (together exactly the layout's names,
         in any order); see the module docstring. Returns once every chunk is packed."""
         self.wait()
-        self.round += 1
-        self.group.mark_arrival(self.round)
-        header = torch.tensor(
-            [MAGIC, version, self.layout.num_buckets, self.layout.fingerprint(), int(self.checksum)],
-            dtype=torch.int64,
-            device=self.device,
-        )
-        works = [(self.group.start_broadcast(header, self.group.member), f"weights v{version} header")]
+        header, works = self._start_round(version)
         missing = [0] * self.layout.num_buckets
         for slot in self.layout.slots:
             missing[slot.bucket] += 1
         slots = {entry.name: entry for entry in self.layout.slots}
         packed: set[str] = set()
         issued = 0
-        self._packed.clear()
         try:
             for chunk in chunks:
                 for name, tensor in chunk.items():
@@ -201,6 +185,18 @@ class WeightPublisher:
             target=self._finish, args=(version, None, works, header), name=f"weights-v{version}", daemon=True
         )
         self._thread.start()
+
+    def _start_round(self, version: int) -> tuple[torch.Tensor, list[tuple[Any, str]]]:
+        """Begin a version: the next round, its arrival mark, the header broadcast; packing starts."""
+        self.round += 1
+        self.group.mark_arrival(self.round)
+        header = torch.tensor(
+            [MAGIC, version, self.layout.num_buckets, self.layout.fingerprint(), int(self.checksum)],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        self._packed.clear()
+        return header, [(self.group.start_broadcast(header, self.group.member), f"weights v{version} header")]
 
     def _buffer(self, index: int) -> torch.Tensor:
         """Bucket `index`'s send buffer, allocated on first use."""
