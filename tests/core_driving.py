@@ -16,6 +16,19 @@ def finish(ticket, version, failed=False, reward=1.0, n_action=1):
     return traj
 
 
+def train_next_batch(core: ControllerCore, trained_at: dict[str, int], max_staleness: int):
+    """Take the next batch if there is one and publish its step, checking that no trajectory is trained
+    twice and none beyond the staleness bound; returns the batch (or None)."""
+    b = core.next_batch()
+    if b is not None:
+        for r in b.results:
+            assert r.ticket.episode_id not in trained_at
+            assert b.step - r.trajectory.oldest_version() <= max_staleness
+            trained_at[r.ticket.episode_id] = b.step
+        core.on_published(b.step + 1)
+    return b
+
+
 def run_to_end(core: ControllerCore, rounds: int) -> None:
     """Liveness: load every version, dispatch, finish everything in flight and train, until the last step."""
     for _ in range(rounds):

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from core_driving import finish, run_to_end
+from core_driving import finish, run_to_end, train_next_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -336,15 +336,10 @@ def test_group_interleavings_keep_invariants(ops, mode, size_and_groups, seed, c
             ticket = list(core.in_flight.values())[pick % len(core.in_flight)]
             core.on_result(finish(ticket, max(ticket.version, core.rollout_version), failed=op == "fail"))
         elif op == "batch":
-            b = core.next_batch()
+            b = train_next_batch(core, trained_at, s)
             if b is not None:
                 groups = [r.ticket.group_id for r in b.results]
                 assert len(set(groups)) == per_batch and all(groups.count(g) >= 2 for g in groups)
-                for r in b.results:
-                    assert r.ticket.episode_id not in trained_at
-                    assert b.step - r.trajectory.oldest_version() <= s
-                    trained_at[r.ticket.episode_id] = b.step
-                core.on_published(b.step + 1)
         elif op == "rollout":
             core.on_rollout_version(core.version)
         assert core.balanced()

@@ -6,7 +6,7 @@ Pins invariants 1-3 of the `rollart_hpc/controller/core.py` docstring.
 from collections import Counter
 
 import pytest
-from core_driving import finish, run_to_end
+from core_driving import finish, run_to_end, train_next_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -107,13 +107,7 @@ def test_random_interleavings_keep_invariants(ops, s, mode, batch, seed):
             ticket = list(core.in_flight.values())[pick % len(core.in_flight)]
             core.on_result(finish(ticket, max(ticket.version, core.rollout_version), failed=op == "fail"))
         elif op == "batch":
-            b = core.next_batch()
-            if b is not None:
-                for r in b.results:
-                    assert r.ticket.episode_id not in trained_at
-                    assert b.step - r.trajectory.oldest_version() <= s
-                    trained_at[r.ticket.episode_id] = b.step
-                core.on_published(b.step + 1)
+            train_next_batch(core, trained_at, s)
         elif op == "rollout":
             core.on_rollout_version(core.version)
         assert core.balanced()
@@ -177,13 +171,7 @@ def test_redundancy_keeps_exact_accounting(ops, s, batch, redundancy, seed):
             ended[ticket.episode_id] += 1
             assert outcome != "dropped" or aborted
         elif op == "batch":
-            b = core.next_batch()
-            if b is not None:
-                for r in b.results:
-                    assert r.ticket.episode_id not in trained_at
-                    assert b.step - r.trajectory.oldest_version() <= s
-                    trained_at[r.ticket.episode_id] = b.step
-                core.on_published(b.step + 1)
+            train_next_batch(core, trained_at, s)
         elif op == "rollout":
             core.on_rollout_version(core.version)
         assert core.balanced() and core.admitted <= core.admission_limit()
