@@ -336,10 +336,7 @@ def _trainer_step(data: dict[str, Any], impl: str) -> Callable[[], tuple[Any, ..
 
 def _run_trainer_loss(args: argparse.Namespace) -> dict[str, Any]:
     """fused vs eager through the trainer's loss entry point on one CPU rank (a 1-rank gloo world)."""
-    import torch
     import torch.distributed as dist
-
-    from rollart_hpc.train.model import ensure_model_parallel
 
     sizes = [
         g if g is not None else d
@@ -348,8 +345,24 @@ def _run_trainer_loss(args: argparse.Namespace) -> dict[str, Any]:
     if min(sizes) < 1 or args.repeats < 1 or args.warmup < 0:
         raise UsageError("--tokens/--hidden/--vocab/--repeats must be >= 1 and --warmup >= 0")
     spec: dict[str, Any] = {"device": "cpu", "T": sizes[0], "H": sizes[1], "V": sizes[2], "dtype": "float32"}
-    if not dist.is_initialized():
+    owned = not dist.is_initialized()  # a world this function makes, it also ends (callers may be tests)
+    if owned:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return _trainer_loss_result(args, spec)
+    finally:
+        if owned:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def _trainer_loss_result(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from rollart_hpc.train.model import ensure_model_parallel
+
     ensure_model_parallel(args.seed)
     torch.manual_seed(args.seed)
     data = _trainer_inputs(spec, args.seed)
