@@ -106,10 +106,10 @@ class _LocalMailbox:
         self.bus.queues[dest].put(Message(self.rank, tag, payload))
 
     def check(self) -> None:
-        pass
+        """Liveness of peers: every peer is a thread of this process, so there is nothing to watch."""
 
     def flush(self) -> None:
-        pass
+        """`send` puts the message in its queue at once: nothing is buffered to flush."""
 
 
 def pool_settings(slow: float, slots: int) -> dict[str, dict[str, Any]]:
