@@ -112,9 +112,23 @@ def _system_libmpi() -> str:
 
 
 def _mpi_body(tmp_path: Path, srun_args: str) -> list[str]:
+    """Run the probe as the launcher's job scripts run a step: srun in the background with the project's
+    `srun_watch` beside it, because Slurm 22.05's srun sometimes never exits after a heterogeneous step
+    whose tasks all ended (its PMIx abort agent is started once per component and only one is stopped).
+    The watcher kills such an srun a few seconds after slurmctld stopped listing the step; the rank
+    files, not srun's status, say whether the MPI world worked."""
     probe = tmp_path / "probe.py"
     probe.write_text(MPI_PROBE)
-    return [f"source {MPI_ENV}", f"srun --mpi=pmix {srun_args} {sys.executable} {probe} {tmp_path}"]
+    return [
+        f"source {MPI_ENV}",
+        f"srun --mpi=pmix {srun_args} {sys.executable} {probe} {tmp_path} &",
+        "step=$!",
+        f"{sys.executable} -m rollart_hpc.cluster.srun_watch $step --grace-s 5 --poll-s 1 &",
+        "watcher=$!",
+        'status=0; wait "$step" || status=$?',
+        'kill "$watcher" 2>/dev/null || true',
+        'echo "srun exited with status $status"',
+    ]
 
 
 @pytest.fixture(autouse=True)
