@@ -47,8 +47,8 @@ def test_receivers_get_bit_identical_tensors_for_three_versions(results):
 def test_publish_returns_before_the_broadcast_completes(results):
     pub = results[0]["nonblocking"]
     assert pub["in_flight_after_publish"] is True
-    assert pub["publish_s"] < 1.0  # receivers join 1.5 s late
-    assert pub["delivered_s"] >= 1.4
+    assert pub["publish_s"] < 2.0  # receivers join 3 s late (margin for a loaded machine)
+    assert pub["delivered_s"] >= 2.9
     assert results[1]["nonblocking"]["ok"] and results[2]["nonblocking"]["ok"]
 
 
