@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from rollart_hpc.algo.advantages import grpo_advantages, token_normalized_advantages
 from rollart_hpc.algo.tracker import EventTimeTracker, SPORho, SPOTracker
+from rollart_hpc.config.learning import AlgoConfig
 from rollart_hpc.config.loader import build, to_dict
-from rollart_hpc.config.schema import AlgoConfig, Config, ControllerConfig
+from rollart_hpc.config.schema import Config, ControllerConfig
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.records import EpisodeTicket
 from rollart_hpc.controller.batching import batch_advantages

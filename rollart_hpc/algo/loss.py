@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from rollart_hpc.config.schema import AlgoConfig
+from rollart_hpc.config.learning import AlgoConfig
 from rollart_hpc.kernels.common import KernelLossConfig, KernelTuning, LossInputs
 from rollart_hpc.kernels.policy_loss import fused_token_terms, linear_logprob
 from rollart_hpc.kernels.token_loss import (

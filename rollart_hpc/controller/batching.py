@@ -17,7 +17,7 @@ from rollart_hpc.algo.advantages import (
     dr_grpo_advantages,
     get_advantage_estimator,
 )
-from rollart_hpc.config.schema import AlgoConfig
+from rollart_hpc.config.learning import AlgoConfig
 from rollart_hpc.contracts.records import TrainShard
 from rollart_hpc.controller.core import Batch
 

@@ -44,7 +44,8 @@ from typing import Any
 from rollart_hpc.algo.sampler import TaskSampler
 from rollart_hpc.algo.tracker import EventTimeTracker, SPORho, SPOTracker, ValueTracker, jeffreys_prior
 from rollart_hpc.config.choices import MODE_STALENESS, Mode
-from rollart_hpc.config.schema import AlgoConfig, ControllerConfig
+from rollart_hpc.config.learning import AlgoConfig
+from rollart_hpc.config.schema import ControllerConfig
 from rollart_hpc.contracts.records import EpisodeTicket, Trajectory
 from rollart_hpc.controller.redundancy import CAUSE as REDUNDANT
 from rollart_hpc.controller.redundancy import Redundancy

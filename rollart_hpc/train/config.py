@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollart_hpc.config.schema import TrainingConfig
+from rollart_hpc.config.learning import TrainingConfig
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 LOSS_IMPLS = ("fused", "eager")

@@ -1,0 +1,210 @@
+"""The learning sections of the config: [algo] (the SPO++ experiments' arms, the tracker, the sampler, the
+PPO clips) and [trainer] (how the trainer role trains: optimiser, warm start, PPO epochs, parallel layout,
+loss implementation). Torch-free; `rollart_hpc.config.schema.Config` holds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rollart_hpc.config.choices import (
+    ALGO_DEFAULTS,
+    ALGO_PRESETS,
+    DEFAULT_GROUP_SIZE,
+    LEGACY_ADVANTAGE,
+    AlgoName,
+    Estimator,
+    GroupAdvantage,
+    Normalization,
+    TrackerKind,
+)
+from rollart_hpc.config.loader import doc_field
+from rollart_hpc.contracts.errors import UsageError
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    """The [algo] section. `name` picks an arm of the SPO++ experiments and fills the arm's fields
+    (`ALGO_PRESETS`); a field set to another value than the preset's is a UsageError ('custom' combines
+    freely). Resolved once at construction: the resolved file holds the filled fields."""
+
+    name: AlgoName = doc_field(
+        "spo++",
+        "Algorithm arm: 'spo++' (event_time tracker, action_token normalisation), 'spo' (arrival tracker, "
+        "trajectory whitening), 'grpo' / 'dr_grpo' (group estimator), 'custom' (set the fields below).",
+    )
+    tracker: TrackerKind = doc_field(
+        "",
+        "Value tracker: 'event_time' (SPO++ Eq. 3: evidence weighs rho^(policy events since it was "
+        "generated)); 'arrival' (SPO: evidence folded in arrival order, rho from policy drift, see "
+        "arrival_drift_per_version). '' = set by algo.name. The group estimator uses it for task sampling only.",
+    )
+    normalization: Normalization = doc_field(
+        "",
+        "Advantage normalisation of the tracker estimator over a batch: 'action_token' (SPO++ Eq. 6) or "
+        "'trajectory' (SPO Eq. 4 whitening). '' = set by algo.name (none with the group estimator).",
+    )
+    estimator: Estimator = doc_field(
+        "",
+        "'tracker': A = R - the tracker's baseline frozen at dispatch; 'group': group_size episodes of one "
+        "task are dispatched back to back and centred on their group (group_advantage). '' = set by algo.name.",
+    )
+    group_size: int = doc_field(
+        0,
+        f"Group estimator: episodes per group (>= 2; must divide controller.batch_size; 0 = "
+        f"{DEFAULT_GROUP_SIZE}). A batch holds whole groups; a group with fewer than 2 successful episodes "
+        "is dropped (cause group_incomplete).",
+    )
+    group_advantage: GroupAdvantage = doc_field(
+        "",
+        "Group estimator: 'grpo' ((R - mean_G) / std_G) or 'dr_grpo' (R - mean_G). '' = set by algo.name.",
+    )
+    advantage: Literal["", "spo++", "spo"] = doc_field(
+        "",
+        "Deprecated spelling of normalization: 'spo++' = 'action_token', 'spo' = 'trajectory' (no other effect).",
+    )
+    rho: float = doc_field(0.875, "Event-time tracker: retention per policy event.")
+    arrival_drift_per_version: float = doc_field(
+        0.006,
+        "Arrival tracker: the drift D of SPO's rho = clamp(2^(-D/0.06), rho_min, rho_max) is this times the "
+        "policy versions published since the task's previous result was folded (the controller has no "
+        "current-policy log-probs to measure D; the version gap is its proxy). First visit: D = 0.",
+    )
+    arrival_rho_min: float = doc_field(0.875, "Arrival tracker: smallest rho.")
+    arrival_rho_max: float = doc_field(0.96, "Arrival tracker: largest rho (that of D = 0).")
+    sampler_epsilon: float = doc_field(0.05, "Task sampler: w = sqrt(v(1-v)) + epsilon.")
+    max_in_flight_per_task: int = doc_field(
+        1, "Task sampler: concurrent requests (groups, with the group estimator) per task."
+    )
+    clip_low: float = doc_field(0.2, "PPO ratio clip below 1.")
+    clip_high: float = doc_field(0.28, "PPO ratio clip above 1.")
+    dual_clip_c: float = doc_field(2.0, "Negative dual-clip constant c (> 1).")
+    is_cap: float = doc_field(2.0, "Cap on the truncated importance weight exp(old - behaviour).")
+
+    def __post_init__(self) -> None:
+        if self.advantage:
+            meant = LEGACY_ADVANTAGE[self.advantage]
+            if self.normalization not in ("", meant):
+                raise UsageError(
+                    f"algo.advantage: {self.advantage!r} means normalization {meant!r}, "
+                    f"but algo.normalization is {self.normalization!r}; remove algo.advantage"
+                )
+            object.__setattr__(self, "normalization", meant)
+        for key, want in ALGO_PRESETS[self.name].items():
+            have = getattr(self, key)
+            if have not in ("", want):
+                field = "advantage" if key == "normalization" and self.advantage else key
+                raise UsageError(
+                    f"algo.{field}: {getattr(self, field)!r} conflicts with algo.name = {self.name!r} (which "
+                    f"sets {key} {want!r}); use algo.name = 'custom' to combine arms"
+                )
+            object.__setattr__(self, key, want)
+        for key, want in ALGO_DEFAULTS.items():
+            if not getattr(self, key):
+                object.__setattr__(self, key, want)
+        if self.estimator == "tracker" and not self.normalization:
+            object.__setattr__(self, "normalization", "action_token")
+        if self.estimator == "group":
+            object.__setattr__(self, "group_advantage", self.group_advantage or "grpo")
+            object.__setattr__(self, "group_size", self.group_size or DEFAULT_GROUP_SIZE)
+
+    def validate(self, path: str) -> None:
+        if self.estimator == "group":
+            if self.group_size < 2:
+                raise UsageError(f"{path}.group_size: the group estimator needs >= 2, got {self.group_size}")
+            if self.normalization:
+                raise UsageError(
+                    f"{path}.normalization: has no effect with {path}.estimator = 'group'; remove it"
+                )
+        else:
+            for key in ("group_size", "group_advantage"):
+                if getattr(self, key):
+                    raise UsageError(f"{path}.{key}: only the group estimator uses it; remove it")
+        if not 0.0 < self.rho <= 1.0:
+            raise UsageError(f"{path}.rho: must lie in (0, 1], got {self.rho}")
+        arrival = ("arrival_drift_per_version", "arrival_rho_min", "arrival_rho_max")
+        if self.tracker != "arrival":
+            for key in arrival:
+                if getattr(self, key) != getattr(AlgoConfig, key):
+                    raise UsageError(f"{path}.{key}: only the arrival tracker uses it; remove it")
+        elif self.rho != AlgoConfig.rho:
+            raise UsageError(f"{path}.rho: the arrival tracker adapts rho (arrival_*); remove it")
+        if self.arrival_drift_per_version < 0:
+            raise UsageError(f"{path}.arrival_drift_per_version: must be >= 0")
+        if not 0.0 < self.arrival_rho_min <= self.arrival_rho_max <= 1.0:
+            raise UsageError(f"{path}: 0 < arrival_rho_min <= arrival_rho_max <= 1 required")
+        if self.max_in_flight_per_task < 1 or self.sampler_epsilon <= 0:
+            raise UsageError(f"{path}: max_in_flight_per_task >= 1 and sampler_epsilon > 0 required")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The [trainer] section: how the trainer role trains (`TrainerConfig.from_config` in
+    `rollart_hpc.train.config` turns it into the trainer library's settings)."""
+
+    lr: float = doc_field(1e-3, "AdamW learning rate of the RL phase.")
+    weight_decay: float = doc_field(0.0, "AdamW weight decay.")
+    grad_clip: float = doc_field(1.0, "Gradient norm clip (0 = off).")
+    micro_batch_tokens: int = doc_field(4096, "Tokens per micro-batch on one trainer rank.")
+    sft_steps: int = doc_field(20, "Supervised warm-start steps on oracle demonstrations before RL.")
+    sft_lr: float = doc_field(3e-3, "Learning rate of the warm start.")
+    sft_batch_size: int = doc_field(16, "Demonstrations per warm-start step.")
+    rl_fresh_optimizer: bool = doc_field(
+        True, "Start RL with fresh AdamW moments (the warm start's would scale the first RL steps)."
+    )
+    num_threads: int = doc_field(1, "torch threads of a trainer rank.")
+    bucket_mb: float = doc_field(32.0, "Weight publication bucket size, MiB.")
+    ppo_epochs: int = doc_field(
+        1, "PPO epochs over each RL batch (> 1: the proximal log-probs are the step's start, clipping acts)."
+    )
+    num_minibatches: int = doc_field(
+        1, "Minibatches per PPO epoch, one optimizer step each (a trainer rank's sequences split evenly)."
+    )
+    tensor_parallel: int = doc_field(
+        1,
+        "Tensor-parallel size (Megatron); must divide the model's heads and vocabulary. Data parallel = "
+        "roles.trainer.num_ranks / (tensor_parallel x pipeline_parallel).",
+    )
+    pipeline_parallel: int = doc_field(
+        1, "Pipeline-parallel stages (Megatron 1F1B schedule); must divide the model's layers."
+    )
+    sequence_parallel: bool = doc_field(
+        False,
+        "Shard activations outside the tensor-parallel matmuls along the sequence (tensor_parallel > 1).",
+    )
+    loss_impl: Literal["fused", "eager"] = doc_field(
+        "fused",
+        "'fused': log-probs and loss from the last hidden states and the LM-head weight, never the "
+        "[tokens, vocab] logits (Triton on CUDA, chunked torch on CPU; vocabulary-parallel under TP); "
+        "'eager': the model's own (vocab-parallel) cross-entropy over full logits.",
+    )
+    distributed_optimizer: bool = doc_field(
+        True, "Shard the Adam states over the data-parallel ranks (Megatron's distributed optimizer)."
+    )
+    overlap_grad_reduce: bool = doc_field(True, "Reduce gradient buckets while backward runs (Megatron DDP).")
+
+    def validate(self, path: str) -> None:
+        if self.lr <= 0 or self.sft_lr <= 0 or self.micro_batch_tokens < 64 or self.sft_steps < 0:
+            raise UsageError(f"{path}: lr, sft_lr > 0, micro_batch_tokens >= 64, sft_steps >= 0 required")
+        if self.ppo_epochs < 1 or self.num_minibatches < 1:
+            raise UsageError(
+                f"{path}: ppo_epochs and num_minibatches must be >= 1, got {self.ppo_epochs}, {self.num_minibatches}"
+            )
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
+            raise UsageError(
+                f"{path}.tensor_parallel, {path}.pipeline_parallel: must be >= 1, "
+                f"got {self.tensor_parallel}, {self.pipeline_parallel}"
+            )
+
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise UsageError(f"{path}.sequence_parallel: needs {path}.tensor_parallel > 1")
+
+    def validate_layout(self, path: str, num_ranks: int) -> None:
+        """The trainer ranks must split into whole tensor x pipeline groups (the rest is data parallel)."""
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if num_ranks % model_parallel:
+            raise UsageError(
+                f"{path}.tensor_parallel x {path}.pipeline_parallel = {model_parallel} must divide "
+                f"roles.trainer.num_ranks = {num_ranks}"
+            )
