@@ -63,6 +63,26 @@ def _sweep(tmp_path: Path) -> Path:
     return out
 
 
+def test_every_other_series_gets_its_area_and_paired_difference(tmp_path: Path) -> None:
+    """train_success (the paper's training-reward area) and the eval rows' per-family series: arm A's
+    eval_success/x is 0.5, 1.0 (+ seed offset) at steps 2 and 4 (area 0.75), arm B's 0.2 higher."""
+    out = _sweep(tmp_path)
+    js = tmp_path / "c.json"
+    assert cli_main(["compare", str(out), "--json", str(js), "--resamples", "500"]) == 0
+    arms = json.loads(js.read_text())["arms"]
+    a, b = arms["algo.rho=0.8"]["series"], arms["algo.rho=0.9"]["series"]
+    assert set(a) == set(b) == {"train_success", "eval_success/x"}
+    assert a["train_success"]["area"]["mean"] == pytest.approx(0.1)
+    assert b["train_success"]["area_diff_vs_reference"]["mean"] == pytest.approx(0.0)
+    assert a["eval_success/x"]["area"]["mean"] == pytest.approx(0.75)
+    assert b["eval_success/x"]["area"]["mean"] == pytest.approx(0.95)
+    assert b["eval_success/x"]["area_diff_vs_reference"] == pytest.approx(
+        {"mean": 0.2, "ci_low": 0.2, "ci_high": 0.2, "n": 3}
+    )
+    table = (out / compare.COMPARE_MD).read_text()
+    assert "| algo.rho=0.9 | eval_success/x | 0.950 [" in table and "| 0.200 [0.200, 0.200] |" in table
+
+
 def test_known_means_intervals_and_paired_differences(tmp_path: Path) -> None:
     out = _sweep(tmp_path)
     png, js = tmp_path / "plots" / "c.png", tmp_path / "c.json"

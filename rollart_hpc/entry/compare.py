@@ -8,7 +8,10 @@ Per run, from `metrics.jsonl`: the eval points (evaluation rounds' rows, `kind =
 against the step, the trajectories trained so far (`count/trained`) and `wall_s`. A run without eval rows uses its train_success instead (said in the output). Per run:
 - area: the area under the eval-success curve over steps (trapezoids) divided by the step range, i.e. the
   mean eval success over the run (the value itself when there is one point);
-- final: the mean eval success of the last `--final-window` eval points (default 1: the last point).
+- final: the mean eval success of the last `--final-window` eval points (default 1: the last point);
+- the area of every other series the rows carry, the same way: `train_success` (the paper's
+  training-reward area) and its per-family `train_success/<family>`, and the eval rows' per-family
+  `eval_success/<family>`, `heldout_success` and `heldout_success/<family>`.
 Per arm: the mean over seeds with a 95% percentile bootstrap interval (seeds resampled with
 replacement, `--resamples` times, numpy RNG seeded by `--bootstrap-seed`), and the paired difference to
 the reference arm (per seed present in both, the same bootstrap over the differences).
@@ -16,7 +19,8 @@ the reference arm (per seed present in both, the same bootstrap over the differe
 Writes `DIR/compare.md` (the table, also printed), a PNG (`--png`, default `DIR/compare.png`: mean ±
 std over seeds of train and eval success against steps, trained trajectories and wall-clock seconds,
 each run interpolated onto a common grid over the range all its arm's runs cover) and with `--json` per
-arm `area_eval_success` and `final_eval_success` (each {mean, ci_low, ci_high, n}) under `arms`. A
+arm `area_eval_success` and `final_eval_success` (each {mean, ci_low, ci_high, n}) under `arms`, and
+`series`: per series its `area` and `area_diff_vs_reference` (the second table of compare.md). A
 corrupt metrics line is a one-line warning naming the file and line; the run still counts if it has rows.
 """
 
@@ -36,6 +40,7 @@ COMPARE_MD = "compare.md"
 COMPARE_PNG = "compare.png"
 GRID_POINTS = 50
 AXES = (("step", "step"), ("trained", "trained trajectories"), ("wall_s", "wall-clock (s)"))
+EVAL_SERIES = ("eval_success", "heldout_success")  # eval-row series besides the main eval_success
 
 
 @dataclass
@@ -48,6 +53,7 @@ class RunCurves:
     train: list[dict[str, float]] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)
     eval_from_train: bool = False
+    series: dict[str, list[dict[str, float]]] = field(default_factory=dict)  # every other success series
 
     @property
     def eval_points(self) -> list[dict[str, float]]:
@@ -142,6 +148,7 @@ def curves(name: str, arm: str, seed: int, rows: Sequence[dict[str, Any]]) -> Ru
             point["wall_s"] = _number(row.get("wall_s")) or 0.0
             at_version[_number(row.get("version")) or step + 1] = point
             run.train.append({**point, "success": success})
+            _add_series(run, row, point, ("train_success",))
     for row in rows:
         success = _number(row.get("eval_success"))
         if success is None:
@@ -151,9 +158,24 @@ def curves(name: str, arm: str, seed: int, rows: Sequence[dict[str, Any]]) -> Ru
         own = {"trained": _number(row.get("count/trained")), "wall_s": _number(row.get("wall_s"))}
         point = {k: known[k] if v is None else v for k, v in own.items()}
         run.evals.append({"step": version, **point, "success": success})
+        _add_series(run, row, {"step": version, **point}, EVAL_SERIES)
     run.evals.sort(key=lambda p: p["step"])
+    for points in run.series.values():
+        points.sort(key=lambda p: p["step"])
     run.eval_from_train = not run.evals
     return run
+
+
+def _add_series(
+    run: RunCurves, row: dict[str, Any], point: dict[str, float], prefixes: tuple[str, ...]
+) -> None:
+    """The row's success values whose key is one of `prefixes` or `<prefix>/<family>` (eval_success itself
+    is the main curve and not repeated), each appended to its series at `point`."""
+    for key, value in row.items():
+        success = _number(value)
+        if success is None or key == "eval_success" or key.partition("/")[0] not in prefixes:
+            continue
+        run.series.setdefault(key, []).append({**point, "success": success})
 
 
 def load_runs(sweep_dir: Path) -> list[RunCurves]:
@@ -234,7 +256,25 @@ def statistics(
             stats[key] = bootstrap([v[index] for v in values.values()], resamples, seed).as_dict()
             diffs = [values[s][index] - per_seed[reference][s][index] for s in shared]
             stats[f"{key}_diff_vs_reference"] = bootstrap(diffs, resamples, seed).as_dict()
+        stats["series"] = series_statistics(arms[arm], arms[reference], resamples, seed)
         out[arm] = stats
+    return out
+
+
+def series_statistics(
+    runs: Sequence[RunCurves], reference: Sequence[RunCurves], resamples: int, seed: int
+) -> dict[str, dict[str, Any]]:
+    """Per series of the arm's runs: the area's interval over seeds and its paired difference to the
+    reference arm's runs of the same seeds (where they have the series)."""
+    ref = {r.seed: r.series for r in reference}
+    out: dict[str, dict[str, Any]] = {}
+    for key in sorted({k for r in runs for k in r.series}):
+        areas = {r.seed: area(r.series[key]) for r in runs if r.series.get(key)}
+        diffs = [a - area(ref[s][key]) for s, a in sorted(areas.items()) if ref.get(s, {}).get(key)]
+        out[key] = {
+            "area": bootstrap(list(areas.values()), resamples, seed).as_dict(),
+            "area_diff_vs_reference": bootstrap(diffs, resamples, seed).as_dict(),
+        }
     return out
 
 
@@ -266,6 +306,16 @@ def markdown(stats: dict[str, dict[str, Any]], reference: str, window: int, resa
     fallback = [f"{arm} seeds {s['eval_from_train']}" for arm, s in stats.items() if s["eval_from_train"]]
     if fallback:
         lines.append(f"No eval rows, train_success used instead: {'; '.join(fallback)}.")
+    if any(s["series"] for s in stats.values()):
+        lines += ["", "| arm | series | area | Δ area vs ref |", "|---|---|---|---|"]
+        for arm, s in stats.items():
+            for key, v in s["series"].items():
+                diff = _interval(v["area_diff_vs_reference"])
+                lines.append(f"| {arm} | {key} | {_interval(v['area'])} | {diff} |")
+        lines += [
+            "",
+            "Area of each series the runs' rows carry (training success per step, per-family and held-out eval).",
+        ]
     return "\n".join(lines) + "\n"
 
 
