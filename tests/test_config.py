@@ -154,6 +154,13 @@ def test_family_and_household_type_names():
     assert build(Config, {"envs": {"families": list(FAMILY_NAMES)}}).envs.families == list(FAMILY_NAMES)
 
 
+@pytest.mark.parametrize("ops", [0, 4])
+def test_calc_max_ops_out_of_range_is_refused_with_the_config_path(ops):
+    with pytest.raises(UsageError, match=rf"envs\.calc_max_ops: must be in \[1, 3\], got {ops}"):
+        build(Config, {"envs": {"calc_max_ops": ops}})
+    assert build(Config, {"envs": {"calc_max_ops": 3}}).envs.calc_max_ops == 3
+
+
 def test_registries_hold_one_entry_per_family_name():
     from rollart_hpc.envs.registry import FAMILIES
     from rollart_hpc.reward.functions import REWARD_FNS

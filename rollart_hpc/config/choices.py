@@ -33,6 +33,9 @@ FAMILY_NAMES: tuple[FamilyName, ...] = ("household", "calc_math", "frozenlake")
 HOUSEHOLD_TYPES = ("put_in", "put_on", "two_obj", "open_then_put", "other_room", "cook")
 """Household quest types; game `i` of the canonical set has type `HOUSEHOLD_TYPES[i % 6]`."""
 
+CALC_MAX_OPS = 3
+"""calc_math: problem `i` of the canonical set has `1 + i % CALC_MAX_OPS` operations."""
+
 AlgoName = Literal["spo++", "spo", "grpo", "dr_grpo", "custom"]
 TrackerKind = Literal["", "event_time", "arrival"]
 Normalization = Literal["", "action_token", "trajectory"]

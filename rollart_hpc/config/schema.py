@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from rollart_hpc.config.choices import (
+    CALC_MAX_OPS,
     FAMILY_NAMES,
     HOUSEHOLD_TYPES,
     MODE_STALENESS,
@@ -288,6 +289,8 @@ class EnvsConfig:
                 raise UsageError(f"{path}.num_tasks.{name}: family not in {path}.families")
         if not self.families or self.num_slots < 1:
             raise UsageError(f"{path}: needs at least one family and num_slots >= 1")
+        if not 1 <= self.calc_max_ops <= CALC_MAX_OPS:
+            raise UsageError(f"{path}.calc_max_ops: must be in [1, {CALC_MAX_OPS}], got {self.calc_max_ops}")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from rollart_hpc.config.choices import CALC_MAX_OPS
 from rollart_hpc.config.schema import HELDOUT_MAX
 from rollart_hpc.envs.families.calculator import CalcError, evaluate, format_number
 from rollart_hpc.envs.types import Task
@@ -63,7 +64,7 @@ def generate_problem(index: int) -> Problem:
     value = rng.randint(2, 20)
     sentences = [f"{name} has {value} {item}."]
     expr, additive = str(value), False
-    num_ops = 1 + index % 3
+    num_ops = 1 + index % CALC_MAX_OPS
     for _ in range(num_ops):
         op, n = _pick_op(rng, value)
         if op in "*/" and additive:
@@ -169,21 +170,21 @@ class CalcMathFamily:
 
     name = FAMILY
 
-    def __init__(self, max_ops: int = 3, max_turns: int = 4) -> None:
-        if not 1 <= max_ops <= 3:
-            raise ValueError(f"calc_math max_ops must be 1..3, got {max_ops}")
+    def __init__(self, max_ops: int = CALC_MAX_OPS, max_turns: int = 4) -> None:
+        if not 1 <= max_ops <= CALC_MAX_OPS:
+            raise ValueError(f"calc_math max_ops must be 1..{CALC_MAX_OPS}, got {max_ops}")
         self.max_ops = max_ops
         self.max_turns = max_turns
 
     def tasks(self) -> list[Task]:
-        return [self.task(task_id(i)) for i in range(NUM_PROBLEMS) if 1 + i % 3 <= self.max_ops]
+        return [self.task(task_id(i)) for i in range(NUM_PROBLEMS) if 1 + i % CALC_MAX_OPS <= self.max_ops]
 
     def heldout_tasks(self, count: int) -> list[Task]:
         """The first `count` held-out problems of at most `max_ops` operations (fewer if fewer exist):
         never in `tasks()`."""
         if count < 0:
             raise ValueError(f"{FAMILY}: {count} held-out problems asked")
-        ids = [i for i in heldout_ids() if 1 + i % 3 <= self.max_ops][:count]
+        ids = [i for i in heldout_ids() if 1 + i % CALC_MAX_OPS <= self.max_ops][:count]
         return [self.task(task_id(i)) for i in ids]
 
     def task(self, tid: str) -> Task:
