@@ -57,6 +57,11 @@ def parse_task_id(tid: str) -> int:
     return int(number)
 
 
+def num_ops(index: int) -> int:
+    """How many operations problem `index` has (1..CALC_MAX_OPS, in turn)."""
+    return 1 + index % CALC_MAX_OPS
+
+
 def generate_problem(index: int) -> Problem:
     """The canonical problem `index` (deterministic)."""
     rng = random.Random(f"{FAMILY}:{index}")
@@ -64,8 +69,7 @@ def generate_problem(index: int) -> Problem:
     value = rng.randint(2, 20)
     sentences = [f"{name} has {value} {item}."]
     expr, additive = str(value), False
-    num_ops = 1 + index % CALC_MAX_OPS
-    for _ in range(num_ops):
+    for _ in range(num_ops(index)):
         op, n = _pick_op(rng, value)
         if op in "*/" and additive:
             expr = f"({expr})"
@@ -74,7 +78,7 @@ def generate_problem(index: int) -> Problem:
         value = _apply(op, value, n)
         sentences.append(_sentence(op, n))
     sentences.append(f"How many {item} does {name} have now?")
-    return Problem(index, " ".join(sentences), expr, value, num_ops)
+    return Problem(index, " ".join(sentences), expr, value, num_ops(index))
 
 
 @functools.cache
@@ -177,14 +181,14 @@ class CalcMathFamily:
         self.max_turns = max_turns
 
     def tasks(self) -> list[Task]:
-        return [self.task(task_id(i)) for i in range(NUM_PROBLEMS) if 1 + i % CALC_MAX_OPS <= self.max_ops]
+        return [self.task(task_id(i)) for i in range(NUM_PROBLEMS) if num_ops(i) <= self.max_ops]
 
     def heldout_tasks(self, count: int) -> list[Task]:
         """The first `count` held-out problems of at most `max_ops` operations (fewer if fewer exist):
         never in `tasks()`."""
         if count < 0:
             raise ValueError(f"{FAMILY}: {count} held-out problems asked")
-        ids = [i for i in heldout_ids() if 1 + i % CALC_MAX_OPS <= self.max_ops][:count]
+        ids = [i for i in heldout_ids() if num_ops(i) <= self.max_ops][:count]
         return [self.task(task_id(i)) for i in ids]
 
     def task(self, tid: str) -> Task:
