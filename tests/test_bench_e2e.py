@@ -4,6 +4,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,7 @@ def test_bench_e2e_tiny(tmp_path):
         "0.0001",
         "--metric",
         "train",
+        "--shared-warm-start",
     ]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -163,5 +165,14 @@ def test_bench_e2e_tiny(tmp_path):
         "0",
         "1",
     }
+    # both modes started from the one warm start of seed 0, with no supervised steps of their own
+    warm = tmp_path / "e2e-runs" / "warm" / "seed=0"
+    assert (warm / "summary.json").exists() and data["workload"]["shared_warm_start"]
+    for mode in ("sync", "async"):
+        resolved = tomllib.loads(
+            (tmp_path / "e2e-runs" / mode / "seed=0" / "config.resolved.toml").read_text()
+        )
+        assert resolved["model"]["source"] == "path" and resolved["trainer"]["sft_steps"] == 0, mode
+        assert resolved["model"]["path"] == str(warm.resolve() / "model" / "warm"), mode
     for png in data["plots"].values():
         assert Path(png).read_bytes()[:4] == b"\x89PNG"

@@ -1,10 +1,16 @@
-"""`launch.py bench e2e --json OUT [--steps N] [--batch B] [--seeds 0,1,2] [--metric eval|train] [k=v ...]`.
+"""`launch.py bench e2e --json OUT [--steps N] [--batch B] [--seeds 0,1,2] [--metric eval|train]
+[--shared-warm-start] [k=v ...]`.
 
 The same multi-task workload with long-tailed env latency, run per mode (sync, one_step_off, async with
 max_staleness 1) and per seed with the same config, model, steps and batch size, so every mode trains the
 same number of trajectories. Each run is `launch.py run` in a subprocess (one after the other, never in
 parallel), with its run directory `<mode>/seed=<s>` and log under --out-dir. Extra dotted overrides apply
 to every run.
+
+`--shared-warm-start`: per seed, one warm-start run `warm/seed=<s>` (the config, one RL step, no evaluation,
+as `launch.py sweep --shared-warm-start` makes it) runs first, and every mode's run of that seed starts from
+its warm model with no supervised steps of its own. The modes are then compared from the same initial policy,
+and the warm start is not paid once per mode.
 
 The success series of a run (`--metric`): `eval`, the evaluation rounds' `eval_success` (uniform over the
 training tasks, so the sampler's task mix cannot move it; needs `controller.eval_every_steps > 0`), or
@@ -32,11 +38,13 @@ import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rollart_hpc.config.choices import MODES
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.entry.sweep import WARM_ARM, warm_model_overrides, warm_start_run
 
 REPO = Path(__file__).resolve().parents[2]
 UTILISATION_BINS = 60
@@ -60,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=3, help="--metric train: steps in the trailing mean")
     parser.add_argument("--out-dir", type=Path, default=None, help="run dirs (default: beside --json)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per run, seconds")
+    parser.add_argument(
+        "--shared-warm-start", action="store_true", help="the modes of a seed start from one warm start"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides for every run (key=value)")
 
 
@@ -82,9 +93,11 @@ def mode_overrides(args: argparse.Namespace, mode: str) -> list[str]:
     return out
 
 
-def run_mode(args: argparse.Namespace, mode: str, seed: int, out_dir: Path) -> Path:
-    """`launch.py run` for one mode and seed; returns its run directory. A failed run raises with its
-    log's tail."""
+def run_mode(
+    args: argparse.Namespace, mode: str, seed: int, out_dir: Path, extra: Sequence[str] = ()
+) -> Path:
+    """`launch.py run` for one mode and seed (mode "warm": the shared warm start); returns its run
+    directory. A failed run raises with its log's tail."""
     run_dir = (out_dir / mode / f"seed={seed}").resolve()
     if run_dir.exists():
         raise UsageError(f"{run_dir} exists: choose an empty --out-dir")
@@ -97,7 +110,10 @@ def run_mode(args: argparse.Namespace, mode: str, seed: int, out_dir: Path) -> P
         "--run-dir",
         str(run_dir),
     ]
-    cmd += [*args.overrides, *mode_overrides(args, mode), f"run.seed={seed}"]
+    if mode == WARM_ARM:
+        cmd += [*args.overrides, *warm_start_run(seed).overrides]
+    else:
+        cmd += [*args.overrides, *mode_overrides(args, mode), f"run.seed={seed}", *extra]
     log = out_dir / f"{mode}-seed={seed}.log"
     print(f"[{mode} seed {seed}] {' '.join(cmd[3:])}", flush=True)
     with log.open("w", encoding="utf-8") as fh:
@@ -319,7 +335,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     check_metric(args)
     out_dir = args.out_dir or args.json.with_name(args.json.stem + "-runs")
     out_dir.mkdir(parents=True, exist_ok=True)
-    run_dirs = {mode: [run_mode(args, mode, seed, out_dir) for seed in seeds(args)] for mode in modes}
+    extra: dict[int, tuple[str, ...]] = {seed: () for seed in seeds(args)}
+    if args.shared_warm_start:
+        extra = {seed: warm_model_overrides(run_mode(args, WARM_ARM, seed, out_dir)) for seed in seeds(args)}
+    run_dirs = {
+        mode: [run_mode(args, mode, seed, out_dir, extra[seed]) for seed in seeds(args)] for mode in modes
+    }
     from rollart_hpc.metrics.report import load_run
 
     sync_series = []
@@ -344,6 +365,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "metric": args.metric,
         "latency": {"dist": args.latency, "scale_s": args.latency_scale_s, "max_s": args.latency_max_s},
         "overrides": list(args.overrides),
+        "shared_warm_start": bool(args.shared_warm_start),
     }
     return {"workload": workload, "target": target, "modes": results, "plots": plots}
 

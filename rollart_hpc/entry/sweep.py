@@ -87,11 +87,15 @@ def warm_start_run(seed: int) -> SweepRun:
     return SweepRun(WARM_ARM, seed, (), ("controller.num_steps=1", "controller.eval_every_steps=0"))
 
 
+def warm_model_overrides(warm_run_dir: Path) -> tuple[str, ...]:
+    """Overrides that start a run from the warm model of a finished warm-start run (no supervised steps)."""
+    warm = warm_run_dir / "model" / "warm"
+    return ('model.source="path"', f"model.path={json.dumps(str(warm))}", "trainer.sft_steps=0")
+
+
 def from_warm_start(run: SweepRun, out: Path) -> SweepRun:
     """`run`, started from the shared warm model of its seed (no supervised steps of its own)."""
-    warm = out / warm_start_run(run.seed).name / "model" / "warm"
-    extra = ('model.source="path"', f"model.path={json.dumps(str(warm))}", "trainer.sft_steps=0")
-    return replace(run, extra=extra)
+    return replace(run, extra=warm_model_overrides(out / warm_start_run(run.seed).name))
 
 
 def check_shared_warm_start(grid: Sequence[tuple[str, Sequence[str]]]) -> None:
