@@ -53,22 +53,24 @@ def test_target_from_the_sync_gain_and_time_to_reach_it(tmp_path):
     sync = train([1, 2, 3, 4], [0.0, 0.5, 0.5, 1.0])
     target = e2e.pick_target(args_for(tmp_path), [sync])
     # trailing means over 2 steps: 0, 0.25, 0.5, 0.75 -> start 0, final 0.75, target 0.6 at step 3
-    assert target["defined"] and target["value"] == pytest.approx(0.8 * 0.75)
-    assert e2e.time_to_target(sync, target) == 4.0
-    assert e2e.time_to_target(train([1, 2], [0.0, 0.2]), target) is None
+    assert target["defined"] and target["values"] == [pytest.approx(0.8 * 0.75)]
+    assert e2e.time_to_target(sync, target, 0) == 4.0
+    assert e2e.time_to_target(train([1, 2], [0.0, 0.2]), target, 0) is None
     fixed = e2e.pick_target(args_for(tmp_path, target_success=0.25), [sync])
-    assert fixed["value"] == 0.25 and e2e.time_to_target(sync, fixed) == 2.0
+    assert fixed["values"] == [0.25] and e2e.time_to_target(sync, fixed, 0) == 2.0
 
 
-def test_eval_target_starts_from_the_first_round_and_averages_seeds(tmp_path):
+def test_eval_target_is_per_seed_from_its_sync_run(tmp_path):
     evals = [
         [{"wall_s": 5.0, "eval_success": 0.3}, {"wall_s": 50.0, "eval_success": 0.4}, {"wall_s": 90.0, "eval_success": 0.5}],
         [{"wall_s": 6.0, "eval_success": 0.4}, {"wall_s": 60.0, "eval_success": 0.6}, {"wall_s": 95.0, "eval_success": 0.7}],
     ]  # fmt: skip
     series = [e2e.success_series([], rounds, "eval", 3) for rounds in evals]
     target = e2e.pick_target(args_for(tmp_path, metric="eval", target_fraction=0.5), series)
-    assert target["value"] == pytest.approx(0.35 + 0.5 * (0.6 - 0.35))  # 0.475
-    assert [e2e.time_to_target(s, target) for s in series] == [90.0, 60.0]
+    # each seed from its own start: 0.3 + 0.5 x 0.2 and 0.4 + 0.5 x 0.3; one absolute target (0.475)
+    # would have timed seed 1 against seed 0's weaker start
+    assert target["values"] == [pytest.approx(0.4), pytest.approx(0.55)]
+    assert [e2e.time_to_target(s, target, i) for i, s in enumerate(series)] == [50.0, 60.0]
     seeds = [{"time_to_target_s": 90.0, "final_success": 0.5, "steps": 3, "trained_trajectories": 12,
               "wall_s": 100.0, "trajectories_per_s": 1.0, "tokens_per_s": 10.0, "balanced": True,
               "busy_fraction_by_role": {"env": 0.5}},
@@ -83,22 +85,44 @@ def test_eval_target_starts_from_the_first_round_and_averages_seeds(tmp_path):
 def test_target_is_undefined_without_a_sync_gain(tmp_path):
     target = e2e.pick_target(args_for(tmp_path), [train([1, 2], [0.0, 0.0])])
     assert not target["defined"] and "undefined" in target["note"]
-    assert e2e.time_to_target(train([1], [1.0]), target) is None
+    assert e2e.time_to_target(train([1], [1.0]), target, 0) is None
     no_rows = e2e.pick_target(args_for(tmp_path, metric="eval"), [[]])
     assert not no_rows["defined"] and "no eval success rows" in no_rows["note"]
+    # one seed without a sync gain: only that seed's target is undefined
+    mixed = e2e.pick_target(args_for(tmp_path), [train([1, 2], [0.5, 0.2]), train([1, 2], [0.0, 1.0])])
+    assert mixed["defined"] and mixed["values"][0] is None and mixed["values"][1] is not None
+    assert "seed #0 gained no success" in mixed["note"]
 
 
 def test_speedups_are_ratios_to_sync():
     results = {
-        "sync": {"time_to_target_s": 10.0, "trajectories_per_s": 2.0, "wall_s": 20.0},
-        "async": {"time_to_target_s": 5.0, "trajectories_per_s": 3.0, "wall_s": 16.0},
-        "one_step_off": {"time_to_target_s": None, "trajectories_per_s": 2.5, "wall_s": 18.0},
+        "sync": {"time_to_target_per_seed_s": [10.0, 30.0], "trajectories_per_s": 2.0, "wall_s": 20.0},
+        "async": {"time_to_target_per_seed_s": [5.0, 15.0], "trajectories_per_s": 3.0, "wall_s": 16.0},
+        "one_step_off": {
+            "time_to_target_per_seed_s": [None, 20.0],
+            "trajectories_per_s": 2.5,
+            "wall_s": 18.0,
+        },
     }
     e2e.add_speedups(results)
-    assert results["sync"]["speedup_wall"] == 1.0
+    assert results["sync"]["speedup_wall"] == 1.0 and results["sync"]["speedup_time_to_target"] == 1.0
     assert results["async"]["speedup_time_to_target"] == 2.0
+    assert results["async"]["speedup_time_to_target_seeds"] == 2
+    # over the seeds where both reached the target: 30 / 20, from one seed
+    assert results["one_step_off"]["speedup_time_to_target"] == 1.5
+    assert results["one_step_off"]["speedup_time_to_target_seeds"] == 1
     assert results["async"]["speedup_throughput"] == 1.5 and results["async"]["speedup_wall"] == 1.25
-    assert results["one_step_off"]["speedup_time_to_target"] is None
+
+
+def test_a_rerun_reuses_finished_runs_and_refuses_unfinished_ones(tmp_path):
+    args = args_for(tmp_path)
+    finished = tmp_path / "sync" / "seed=0"
+    finished.mkdir(parents=True)
+    (finished / "summary.json").write_text("{}")
+    assert e2e.run_mode(args, "sync", 0, tmp_path) == finished.resolve()  # no run started
+    (tmp_path / "async" / "seed=0").mkdir(parents=True)
+    with pytest.raises(UsageError, match="unfinished run"):
+        e2e.run_mode(args, "async", 0, tmp_path)
 
 
 def test_mode_overrides_fix_everything_but_the_mode(tmp_path):

@@ -17,16 +17,22 @@ training tasks, so the sampler's task mix cannot move it; needs `controller.eval
 `train`, the trailing mean of `train_success` over `--window` steps. Times are the rows' wall_s (seconds
 since RL start, after the warm start).
 
-Target: `--target-success X` when given; otherwise the start of the series plus `--target-fraction` (default
-0.8) of the sync runs' gain, `start + f * (final - start)`, with start and final the means over the sync seeds
-of each series' first and last value. A run reaches the target at its first point >= the target. Without a
-gain (final <= start) the target is undefined: times and their speedups are null, the reason in
-`target.note`.
+Target, per seed: `--target-success X` when given (the same for every seed); otherwise the sync run of that
+seed's start plus `--target-fraction` f (default 0.8) of its gain, `start + f * (final - start)`, with start
+and final its series' first and last value. Every mode's run of a seed is timed to that seed's target, so a
+seed whose warm start is already good is not counted as reaching a target at once, nor a weak one as never
+reaching it (seeds' warm starts differ by tens of points). A run reaches its target at its first point >=
+the target. Without a sync gain for a seed (final <= start) its target is undefined and its times are null,
+the reason in `target.note`.
 
 Per mode the JSON holds per seed and as means over seeds: RL wall-clock, throughput (trained trajectories/s,
-tokens/s), time to target, the busy fraction of each role (timeline files), and ratios to sync:
-`speedup_time_to_target` (mean sync time / mean mode time, null unless every seed of both reached the
-target), `speedup_throughput` and `speedup_wall`.
+tokens/s), time to target (the mean only when every seed reached it), the busy fraction of each role
+(timeline files), and ratios to sync: `speedup_time_to_target` (mean sync time / mean mode time over the
+seeds where both reached their target; their number in `speedup_time_to_target_seeds`; null when none),
+`speedup_throughput` and `speedup_wall`.
+
+A rerun with the same --out-dir reuses every run that finished (its `summary.json` exists) and runs the rest;
+a run directory left by an interrupted run is an error (remove it).
 
 PNGs beside the JSON: `<stem>-reward.png` (the success series vs wall-clock, every seed, one colour per
 mode) and `<stem>-utilisation.png` (per mode, its first seed's per-role busy fraction over time).
@@ -99,8 +105,11 @@ def run_mode(
     """`launch.py run` for one mode and seed (mode "warm": the shared warm start); returns its run
     directory. A failed run raises with its log's tail."""
     run_dir = (out_dir / mode / f"seed={seed}").resolve()
+    if (run_dir / "summary.json").exists():
+        print(f"[{mode} seed {seed}] finished before: reused ({run_dir})", flush=True)
+        return run_dir
     if run_dir.exists():
-        raise UsageError(f"{run_dir} exists: choose an empty --out-dir")
+        raise UsageError(f"{run_dir} holds an unfinished run: remove it, or choose an empty --out-dir")
     cmd = [
         sys.executable,
         "-m",
@@ -150,34 +159,42 @@ def success_series(
 
 
 def pick_target(args: argparse.Namespace, sync_series: list[Series]) -> dict[str, Any]:
-    """The target success (see the module docstring) from the sync runs' series, one per seed."""
-    series = [s for s in sync_series if s]
+    """The target success of each seed (see the module docstring), from the sync runs' series in seed
+    order: `values[i]` is seed i's target, None where it is undefined."""
     base = {"metric": args.metric, "window": args.window}
     if args.target_success is not None:
         value = float(args.target_success)
-        return {**base, "value": value, "how": "fixed (--target-success)", "defined": True, "note": ""}
-    if len(series) < len(sync_series):
-        note = f"a sync run has no {args.metric} success rows; times are undefined"
-        return {**base, "value": None, "how": "", "defined": False, "note": note}
-    start = sum(s[0][1] for s in series) / len(series)
-    final = sum(s[-1][1] for s in series) / len(series)
-    value = start + args.target_fraction * (final - start)
-    how = (
-        f"start {start:.4f} + {args.target_fraction} x the sync gain ({final:.4f} - {start:.4f}), "
-        f"means over {len(series)} seed(s)"
-    )
-    defined = final > start
-    note = "" if defined else "the sync runs gained no success: times are undefined"
-    return {**base, "value": value, "how": how, "defined": defined, "note": note}
+        values: list[float | None] = [value] * len(sync_series)
+        return {**base, "values": values, "how": "fixed (--target-success)", "defined": True, "note": ""}
+    values, notes = [], []
+    for index, series in enumerate(sync_series):
+        if not series:
+            values.append(None)
+            notes.append(f"the sync run of seed #{index} has no {args.metric} success rows")
+            continue
+        start, final = series[0][1], series[-1][1]
+        if final <= start:
+            values.append(None)
+            notes.append(f"the sync run of seed #{index} gained no success ({start:.4f} -> {final:.4f})")
+            continue
+        values.append(start + args.target_fraction * (final - start))
+    how = f"per seed: the sync run's start + {args.target_fraction} x its gain (final - start)"
+    note = "; ".join(notes) + ("; those seeds' times are undefined" if notes else "")
+    defined = any(v is not None for v in values)
+    return {**base, "values": values, "how": how, "defined": defined, "note": note}
 
 
-def time_to_target(series: Series, target: dict[str, Any]) -> float | None:
-    if not target["defined"]:
+def time_to_target(series: Series, target: dict[str, Any], index: int) -> float | None:
+    """When `series` (a run of the seed at `index`) first reaches that seed's target; None if never."""
+    value = target["values"][index]
+    if value is None:
         return None
-    return next((wall for wall, value in series if value >= target["value"]), None)
+    return next((wall for wall, success in series if success >= value), None)
 
 
-def seed_result(run_dir: Path, args: argparse.Namespace, target: dict[str, Any]) -> dict[str, Any]:
+def seed_result(
+    run_dir: Path, args: argparse.Namespace, target: dict[str, Any], index: int
+) -> dict[str, Any]:
     from rollart_hpc.metrics.report import busy_fractions, load_run, overall_throughput, write_report
     from rollart_hpc.metrics.timeline import role_busy_fractions, window
 
@@ -196,7 +213,8 @@ def seed_result(run_dir: Path, args: argparse.Namespace, target: dict[str, Any])
         "tokens_per_s": t["tokens_per_s"],
         "final_success": series[-1][1] if series else None,
         "series": series,
-        "time_to_target_s": time_to_target(series, target),
+        "target_success": target["values"][index],
+        "time_to_target_s": time_to_target(series, target, index),
         "busy_fraction_by_role": role_busy_fractions(run.timelines, *span) if span else {},
         "busy_fraction_by_rank": busy_fractions(run),
         "staleness": (run.summary or {}).get("staleness", {}),
@@ -233,8 +251,14 @@ def mode_result(seeds: list[dict[str, Any]]) -> dict[str, Any]:
 def add_speedups(results: dict[str, dict[str, Any]]) -> None:
     sync = results["sync"]
     for r in results.values():
-        ttt, sync_ttt = r["time_to_target_s"], sync["time_to_target_s"]
-        r["speedup_time_to_target"] = sync_ttt / ttt if ttt and sync_ttt else None
+        pairs = [
+            (s, m)
+            for s, m in zip(sync["time_to_target_per_seed_s"], r["time_to_target_per_seed_s"], strict=True)
+            if s is not None and m is not None
+        ]
+        both = sum(m for _, m in pairs)
+        r["speedup_time_to_target"] = sum(s for s, _ in pairs) / both if pairs and both > 0 else None
+        r["speedup_time_to_target_seeds"] = len(pairs)
         r["speedup_throughput"] = r["trajectories_per_s"] / sync["trajectories_per_s"]
         r["speedup_wall"] = sync["wall_s"] / r["wall_s"]
 
@@ -250,8 +274,12 @@ def plot_reward(results: dict[str, dict[str, Any]], target: dict[str, Any], path
             walls = [wall for wall, _ in seed["series"]]
             values = [value for _, value in seed["series"]]
             ax.plot(walls, values, marker=".", color=f"C{index}", label=mode if k == 0 else None, alpha=0.8)
-    if target["defined"]:
-        ax.axhline(target["value"], color="grey", linestyle="--", label="target")
+    labelled = False
+    for value in target["values"]:
+        if value is not None:
+            label = None if labelled else "target per seed"
+            ax.axhline(value, color="grey", linestyle="--", linewidth=0.8, label=label)
+            labelled = True
     what = (
         "eval success"
         if target["metric"] == "eval"
@@ -349,7 +377,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         sync_series.append(success_series(run.rows, run.eval_rows, args.metric, args.window))
     target = pick_target(args, sync_series)
     results = {
-        mode: mode_result([seed_result(d, args, target) for d in dirs]) for mode, dirs in run_dirs.items()
+        mode: mode_result([seed_result(d, args, target, i) for i, d in enumerate(dirs)])
+        for mode, dirs in run_dirs.items()
     }
     add_speedups(results)
     first = {mode: dirs[0] for mode, dirs in run_dirs.items()}
