@@ -114,12 +114,19 @@ def test_speedups_are_ratios_to_sync():
     assert results["async"]["speedup_throughput"] == 1.5 and results["async"]["speedup_wall"] == 1.25
 
 
-def test_a_rerun_reuses_finished_runs_and_refuses_unfinished_ones(tmp_path):
+def test_a_rerun_reuses_finished_runs_of_the_same_command_only(tmp_path):
     args = args_for(tmp_path)
-    finished = tmp_path / "sync" / "seed=0"
+    finished = (tmp_path / "sync" / "seed=0").resolve()
     finished.mkdir(parents=True)
     (finished / "summary.json").write_text("{}")
-    assert e2e.run_mode(args, "sync", 0, tmp_path) == finished.resolve()  # no run started
+    with pytest.raises(UsageError, match="other settings"):  # not made by this bench
+        e2e.run_mode(args, "sync", 0, tmp_path)
+    cmd = ["run", str(args.config.resolve()), "--run-dir", str(finished)]
+    cmd += [*e2e.mode_overrides(args, "sync"), "run.seed=0"]
+    (finished / e2e.COMMAND_FILE).write_text(json.dumps(cmd))
+    assert e2e.run_mode(args, "sync", 0, tmp_path) == finished  # reused: no run started
+    with pytest.raises(UsageError, match="other settings"):  # the same directory, other steps
+        e2e.run_mode(args_for(tmp_path, steps=5), "sync", 0, tmp_path)
     (tmp_path / "async" / "seed=0").mkdir(parents=True)
     with pytest.raises(UsageError, match="unfinished run"):
         e2e.run_mode(args, "async", 0, tmp_path)
@@ -192,6 +199,7 @@ def test_bench_e2e_tiny(tmp_path):
     # both modes started from the one warm start of seed 0, with no supervised steps of their own
     warm = tmp_path / "e2e-runs" / "warm" / "seed=0"
     assert (warm / "summary.json").exists() and data["workload"]["shared_warm_start"]
+    assert (warm / e2e.COMMAND_FILE).exists()
     for mode in ("sync", "async"):
         resolved = tomllib.loads(
             (tmp_path / "e2e-runs" / mode / "seed=0" / "config.resolved.toml").read_text()

@@ -31,8 +31,9 @@ tokens/s), time to target (the mean only when every seed reached it), the busy f
 seeds where both reached their target; their number in `speedup_time_to_target_seeds`; null when none),
 `speedup_throughput` and `speedup_wall`.
 
-A rerun with the same --out-dir reuses every run that finished (its `summary.json` exists) and runs the rest;
-a run directory left by an interrupted run is an error (remove it).
+A rerun with the same --out-dir reuses every run that finished with the same `launch.py run` arguments
+(recorded in the run directory's `bench_e2e_command.json`) and runs the rest; a finished run made with other
+arguments, or a run directory left by an interrupted run, is an error.
 
 PNGs beside the JSON: `<stem>-reward.png` (the success series vs wall-clock, every seed, one colour per
 mode) and `<stem>-utilisation.png` (per mode, its first seed's per-role busy fraction over time).
@@ -49,11 +50,13 @@ from pathlib import Path
 from typing import Any
 
 from rollart_hpc.config.choices import MODES
+from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.entry.sweep import WARM_ARM, warm_model_overrides, warm_start_run
 
 REPO = Path(__file__).resolve().parents[2]
 UTILISATION_BINS = 60
+COMMAND_FILE = "bench_e2e_command.json"  # in a run directory: the `launch.py run` arguments that made it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,11 +108,6 @@ def run_mode(
     """`launch.py run` for one mode and seed (mode "warm": the shared warm start); returns its run
     directory. A failed run raises with its log's tail."""
     run_dir = (out_dir / mode / f"seed={seed}").resolve()
-    if (run_dir / "summary.json").exists():
-        print(f"[{mode} seed {seed}] finished before: reused ({run_dir})", flush=True)
-        return run_dir
-    if run_dir.exists():
-        raise UsageError(f"{run_dir} holds an unfinished run: remove it, or choose an empty --out-dir")
     cmd = [
         sys.executable,
         "-m",
@@ -123,6 +121,16 @@ def run_mode(
         cmd += [*args.overrides, *warm_start_run(seed).overrides]
     else:
         cmd += [*args.overrides, *mode_overrides(args, mode), f"run.seed={seed}", *extra]
+    made_by = run_dir / COMMAND_FILE
+    if (run_dir / "summary.json").exists():
+        if not made_by.exists() or json.loads(made_by.read_text(encoding="utf-8")) != cmd[3:]:
+            raise UsageError(
+                f"{run_dir} was run with other settings than this command's: choose another --out-dir"
+            )
+        print(f"[{mode} seed {seed}] finished before with the same command: reused ({run_dir})", flush=True)
+        return run_dir
+    if run_dir.exists():
+        raise UsageError(f"{run_dir} holds an unfinished run: remove it, or choose an empty --out-dir")
     log = out_dir / f"{mode}-seed={seed}.log"
     print(f"[{mode} seed {seed}] {' '.join(cmd[3:])}", flush=True)
     with log.open("w", encoding="utf-8") as fh:
@@ -132,6 +140,7 @@ def run_mode(
     if rc != 0:
         tail = "\n".join(log.read_text(encoding="utf-8").splitlines()[-15:])
         raise RuntimeError(f"bench e2e: the {mode} run failed (exit {rc}); log {log}:\n{tail}")
+    atomic_write_json(made_by, cmd[3:])
     return run_dir
 
 
@@ -400,8 +409,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rollart_hpc.contracts.atomic import atomic_write_json
-
     result = run_bench(args)
     atomic_write_json(args.json, result)
     for mode, r in result["modes"].items():
