@@ -44,6 +44,10 @@ PARTITIONS = [f"roles.{role}.partition=rollout" for role in ("controller", "roll
     "roles.trainer.partition=train"
 ]
 EXPECTED_NODES = {0: "rollout1", 1: "rollout1", 2: "rollout1", 3: "rollout1", 4: "train1"}
+# Every env step sleeps 0.5-0.6 s (injected latency), so a trained step takes about a second or more and the
+# run is still going when a test stops or kills it after its first step or checkpoint: unpaced, a quiet box
+# trains the remaining steps of the tiny model in a few seconds, before a preemption signal is acted on.
+PACE = ['envs.faults.latency="pareto"', "envs.faults.latency_scale_s=0.5", "envs.faults.latency_max_s=0.6"]
 # One start of the 5-rank world imports torch on every rank: minutes on this loaded 2-core host.
 START_TIMEOUT_S = 600.0
 JOB_TIMEOUT_S = 1200.0
@@ -59,7 +63,7 @@ def _submit(repo_root: Path, run_dir: Path, overrides: list[str]) -> dict[str, A
     parser = argparse.ArgumentParser()
     submit.add_arguments(parser)
     config = str(repo_root / "configs" / "tiny.toml")
-    argv = [config, *PARTITIONS, *overrides, "--run-dir", str(run_dir), "--time-min", "30"]
+    argv = [config, *PARTITIONS, *PACE, *overrides, "--run-dir", str(run_dir), "--time-min", "30"]
     assert submit.main(parser.parse_args([*argv, "--max-requeues", "2"])) == 0
     record = dict(json.loads((run_dir / submit.JOB_RECORD).read_text()))
     assert record["mode"] == "hetjob" and record["world_size"] == 5
@@ -238,7 +242,7 @@ def test_preempted_submitit_job_requeues_from_rank_0_and_finishes(repo_root: Pat
     ]
     parser = argparse.ArgumentParser()
     submit.add_arguments(parser)
-    argv = [str(repo_root / "configs" / "tiny.toml"), *overrides, "roles.env.num_ranks=2"]
+    argv = [str(repo_root / "configs" / "tiny.toml"), *overrides, *PACE, "roles.env.num_ranks=2"]
     argv += [f"controller.num_steps={num_steps}", "controller.checkpoint_every_steps=0"]
     argv += ["--run-dir", str(run_dir), "--time-min", "30", "--max-requeues", "2", "--nodes", "2"]
     start = time.monotonic()
@@ -280,6 +284,7 @@ def test_killed_rank_of_a_submitit_job_is_requeued_and_finishes(repo_root: Path,
     argv = [
         str(repo_root / "configs" / "tiny.toml"),
         *overrides,
+        *PACE,
         "roles.env.num_ranks=2",
         "cluster.max_restarts=2",
     ]
