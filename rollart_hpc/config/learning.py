@@ -153,6 +153,11 @@ class TrainingConfig:
     rl_fresh_optimizer: bool = doc_field(
         True, "Start RL with fresh AdamW moments (the warm start's would scale the first RL steps)."
     )
+    rl_lr_warmup_steps: int = doc_field(
+        0,
+        "RL steps over which the learning rate rises linearly to lr (step k uses lr x min(1, (k+1)/N); "
+        "0 = none). Fresh AdamW moments make the first steps sign-like, each parameter moved by the full lr.",
+    )
     num_threads: int = doc_field(1, "torch threads of a trainer rank.")
     bucket_mb: float = doc_field(32.0, "Weight publication bucket size, MiB.")
     ppo_epochs: int = doc_field(
@@ -187,6 +192,8 @@ class TrainingConfig:
     def validate(self, path: str) -> None:
         if self.lr <= 0 or self.sft_lr <= 0 or self.micro_batch_tokens < 64 or self.sft_steps < 0:
             raise UsageError(f"{path}: lr, sft_lr > 0, micro_batch_tokens >= 64, sft_steps >= 0 required")
+        if self.rl_lr_warmup_steps < 0:
+            raise UsageError(f"{path}.rl_lr_warmup_steps: must be >= 0, got {self.rl_lr_warmup_steps}")
         if self.ppo_epochs < 1 or self.num_minibatches < 1:
             raise UsageError(
                 f"{path}: ppo_epochs and num_minibatches must be >= 1, got {self.ppo_epochs}, {self.num_minibatches}"

@@ -65,6 +65,15 @@ def set_lr(trainer: Trainer, lr: float) -> None:
     trainer.set_lr(lr)
 
 
+def rl_lr(config: Config, step: int) -> float:
+    """The learning rate of RL step `step` (0-based): `trainer.lr`, after a linear warmup of
+    `trainer.rl_lr_warmup_steps` steps (step k of the warmup: lr x (k + 1) / N)."""
+    t = config.trainer
+    if t.rl_lr_warmup_steps == 0:
+        return t.lr
+    return t.lr * min(1.0, (step + 1) / t.rl_lr_warmup_steps)
+
+
 def demonstrations(config: Config, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]:
     from rollart_hpc.envs.demos import demonstration_trajectory
 
@@ -148,8 +157,10 @@ def rl_loop(config: Config, ctx: RunContext, trainer: Trainer, sender: WeightSen
             continue
         shard: TrainShard = msg.payload
         start = time.perf_counter()
+        lr = rl_lr(config, shard.step)
+        set_lr(trainer, lr)
         span_start = time.time()
-        report = trainer.rl_step(shard_to_batch(shard), shard.num_global_action_tokens, cfg)
+        report = trainer.rl_step(shard_to_batch(shard), shard.num_global_action_tokens, cfg) | {"lr": lr}
         publish(trainer, sender, shard.step + 1)
         if sender is not None:
             step_report = StepReport(shard.step, time.perf_counter() - start, report)
