@@ -52,7 +52,13 @@ def trained_by_step(run_dir):
 
 def test_async_run_accounts_for_every_trajectory(tmp_path):
     run_dir = run(
-        tmp_path, "async", "controller.mode=async", "controller.max_staleness=1", "envs.faults.crash_prob=0.1"
+        tmp_path,
+        "async",
+        "controller.mode=async",
+        "controller.max_staleness=1",
+        "envs.faults.crash_prob=0.1",
+        "trainer.lr=4e-3",
+        "trainer.rl_lr_warmup_steps=2",
     )
     summary = json.loads((run_dir / "summary.json").read_text())
     acc = summary["accounting"]
@@ -79,6 +85,7 @@ def test_async_run_accounts_for_every_trajectory(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2] and [r["version"] for r in rows] == [1, 2, 3]
     for key in ("wall_s", "trained_trajectories", "train_success", "train_success/calc_math"):
         assert key in rows[0]
+    assert [r["lr"] for r in rows] == pytest.approx([2e-3, 4e-3, 4e-3])  # the warmup, applied by the trainer
     # the controller's trace holds every stored episode once, and the scale simulator calibrates on it
     trace = [json.loads(line) for line in (run_dir / "timeline/controller.jsonl").read_text().splitlines()]
     assert sorted(e["id"] for e in trace if e["e"] == "result") == sorted(r.episode_id for r in records)
