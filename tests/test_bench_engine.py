@@ -1,4 +1,5 @@
-"""`bench engine`: argument errors, and a small run with household episodes and the prefix cache."""
+"""`bench engine`: argument errors, and a small run with household episodes, the prefix cache and the
+profile."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def test_vllm_outside_its_environment_is_named() -> None:
 def test_small_bench_with_household_episodes(tmp_path: Path) -> None:
     out = tmp_path / "engine.json"
     proc = _bench("--model", "tiny", "--batch", "2", "--max-tokens", "4", "--episodes", "2",
-                  "--threads", "1", "--json", str(out))  # fmt: skip
+                  "--threads", "1", "--profile", "--json", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["ratio"] > 0 and result["engine_tok_s"] > 0 and "ratio_vs_vllm" not in result
@@ -54,3 +55,9 @@ def test_small_bench_with_household_episodes(tmp_path: Path) -> None:
     assert cached["turns"] > 2 and cached["tokens_reused"] > 0 and plain["tokens_reused"] == 0
     # every turn after an episode's first finds the episode so far in the cache
     assert prefix["prefill_tokens_saved_fraction"] > 0.3
+    for generator in ("engine", "hf"):  # one profiled pass each: the shares cover all their self time
+        profile = result["profile"][generator]
+        assert profile["self_cpu_s"] > 0 and 0 < profile["matmul_share"] < 1
+        shares = [op["share"] for op in profile["top_ops"]]
+        assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+    assert any(op["op"].endswith("_linear_pointwise") for op in result["profile"]["engine"]["top_ops"])

@@ -14,7 +14,9 @@ run the bench with `.venv-vllm/bin/python`) on the same prompts, dtype and lengt
 caching off so that repeats do not reuse each other's prompts), its worker bound to as many cores as
 `--threads`; `ratio_vs_vllm` is the median of per-repeat vLLM/engine time ratios (above 1: the engine is
 faster). `--episodes N` adds multi-turn household episodes with and without the engine's prefix cache
-(`rollart_hpc.bench.engine_episodes`).
+(`rollart_hpc.bench.engine_episodes`). `--profile` adds one more pass of the engine and of HF under
+torch.profiler (outside the timed repeats): `profile.<engine|hf>.matmul_share` (the self CPU time in
+matrix multiplies) and the top ops by self time.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="also play N household episodes with and without the prefix cache",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one engine and one HF pass (torch.profiler): each op's share of the CPU time",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
 
@@ -207,8 +215,9 @@ def main(args: argparse.Namespace) -> int:
         vllm = _vllm_engine(model_dir, args, num_prompts) if "vllm" in against else None
         try:
             result = bench(
-                model_dir, args.batch, args.max_tokens, num_prompts, args.repeats, args.dtype, vllm
-            )
+                model_dir, args.batch, args.max_tokens, num_prompts, args.repeats, args.dtype, vllm,
+                args.profile,
+            )  # fmt: skip
         finally:
             if vllm is not None:
                 vllm.close()
@@ -243,9 +252,10 @@ def _vllm_engine(model_dir: Path, args: argparse.Namespace, num_prompts: int) ->
 
 def bench(
     model_dir: Path, batch: int, max_tokens: int, num_prompts: int, repeats: int, dtype: str,
-    vllm: Any = None,
+    vllm: Any = None, profile: bool = False,
 ) -> dict:  # fmt: skip
-    """Measure the generators; return the JSON-ready result."""
+    """Measure the generators; return the JSON-ready result (with `profile`, one more pass of the
+    engine and of HF under the profiler, outside the timed repeats)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -280,6 +290,12 @@ def bench(
             "vllm_s": vllm_times,
             "greedy_agreement_vs_vllm": _agreement(engine_out, vllm_out),
         }
+    profiles = {}
+    if profile:
+        profiles["profile"] = {
+            "engine": profile_ops(lambda: _run_engine(engine, prompts, max_tokens, "profile")),
+            "hf": profile_ops(lambda: _run_hf(hf, prompts, batch, max_tokens, pad_id)),
+        }
     return {
         "engine_tok_s": engine_tok_s,
         "hf_tok_s": hf_tok_s,
@@ -296,4 +312,35 @@ def bench(
         "prompt_lens": [len(p) for p in prompts],
         "dtype": dtype,
         "machine": _machine(),
+        **profiles,
+    }
+
+
+# Ops whose self time is a matrix multiply (torch's and oneDNN's linear layers, plain matmuls).
+MATMUL_OPS = frozenset(
+    {"linear", "_linear_pointwise", "addmm", "mm", "bmm", "matmul", "_mkl_linear", "mkldnn_linear"}
+)
+
+
+def profile_ops(run: Callable[[], object], top: int = 12) -> dict[str, Any]:
+    """One call of `run` under torch.profiler (CPU): the self CPU time, the share of it in matrix
+    multiplies, and the `top` ops by self time with their shares and call counts. The profiler adds
+    a few microseconds per op, so the shares of small ops are upper bounds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    events = sorted(
+        (e for e in prof.key_averages() if e.self_cpu_time_total > 0),
+        key=lambda e: e.self_cpu_time_total,
+        reverse=True,
+    )
+    total = sum(e.self_cpu_time_total for e in events)
+    matmul = sum(e.self_cpu_time_total for e in events if e.key.split("::")[-1] in MATMUL_OPS)
+    return {
+        "self_cpu_s": total / 1e6,
+        "matmul_share": matmul / total if total else 0.0,
+        "top_ops": [
+            {"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in events[:top]
+        ],
     }
