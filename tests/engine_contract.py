@@ -83,7 +83,8 @@ def check_greedy(
 def check_abort(engine: Engine, vocab: int, tag: str, settle_s: float = 0.0) -> None:
     """Aborted requests (waiting or running) come out once, finished with reason "abort" and the tokens
     so far; an unknown request id is not aborted."""
-    long = SamplingParams(temperature=0.0, max_tokens=200)
+    # long enough that an engine generating on its own (vLLM) is still mid-request after `settle_s`
+    long = SamplingParams(temperature=0.0, max_tokens=240)
     prompt = prompts((10,), seed=4, vocab=vocab)[0]
     engine.add_request(f"{tag}-late", prompt, long)
     engine.add_request(f"{tag}-early", prompt, long)
@@ -116,15 +117,18 @@ def check_weight_update_between_steps(
     the switch are the new model's, and requests added afterwards are all new version."""
     old = engine.version
     new = old + 1
-    long = SamplingParams(temperature=0.0, max_tokens=100)
+    # Long requests (an engine that generates on its own, as vLLM does, must still be mid-request when
+    # the update lands: 100 tokens of the test model could finish within the settle time on a fast box),
+    # and the new weights read before the requests start, so nothing but `settle_s` lies between them.
+    long = SamplingParams(temperature=0.0, max_tokens=220)
     ps = prompts((8, 30, 15), seed=3, vocab=vocab)
+    named = list(load_weights(new_dir).items())
     for i, p in enumerate(ps):
         engine.add_request(f"{tag}-long-{i}", p, long)
     running: dict[str, RequestOutput] = {}
     for _ in range(4):
         running |= {o.request_id: o for o in engine.step()}
     time.sleep(settle_s)
-    named = list(load_weights(new_dir).items())
     errors: list[BaseException] = []
 
     def update() -> None:

@@ -151,10 +151,12 @@ def test_weight_update_matches_fresh_engine_and_versions_switch(state: dict[str,
     engine = state["engine"]
     old_version, new_index = engine.version, 1 - state["loaded"]
     prompts = _prompts((8, 30, 15), seed=3, vocab=state["vocab"])
-    long = SamplingParams(temperature=0.0, max_tokens=200)
+    # as long as the model length allows, so vLLM (generating on its own) is still mid-request when the
+    # update lands, also on a fast box; a short settle, so some tokens are the old version's
+    long = SamplingParams(temperature=0.0, max_tokens=MAX_LEN - max(len(p) for p in prompts) - 1)
     for i, p in enumerate(prompts):
         engine.add_request(f"long-v{old_version}-{i}", p, long)
-    time.sleep(0.5)
+    time.sleep(0.2)
     updater = threading.Thread(target=_switch_to, args=(state, new_index))
     updater.start()
     running = _drain(engine, timeout_s=300)
