@@ -45,3 +45,8 @@ def test_worker_config_carries_the_modes_and_checks_sizes() -> None:
     assert config["sizes_bytes"] == [10_000_000, 100_000_000]
     with pytest.raises(UsageError):
         worker_config(_parse("--sizes-mb", "0"))
+    assert default["direct_bytes"] == 1_000_000
+    assert worker_config(_parse("--direct-mb", "0"))["direct_bytes"] is None
+    for bad in ("-1", "0.00001"):
+        with pytest.raises(UsageError, match="--direct-mb"):
+            worker_config(_parse("--direct-mb", bad))

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollart_hpc.weights.buckets import (
     ALIGN,
@@ -9,6 +11,7 @@ from rollart_hpc.weights.buckets import (
     allocate_buckets,
     bucket_checksum,
     layout_for,
+    lone_slot,
     pack,
     plan_layout,
     unpack,
@@ -93,3 +96,51 @@ def test_checksum_detects_a_flipped_byte():
     before = bucket_checksum(bucket)
     bucket[100] ^= 1
     assert bucket_checksum(bucket) != before
+
+
+def test_direct_layout_gives_large_tensors_a_bucket_of_their_own_and_packs_the_rest_in_order():
+    specs = [("norm0", (10,), torch.float32), ("big0", (300,), torch.float32), ("norm1", (20,), torch.float32),
+             ("big1", (257,), torch.bfloat16), ("norm2", (30,), torch.float32)]  # fmt: skip
+    layout = plan_layout(specs, 4096, direct_bytes=500)
+    buckets = {s.name: s.bucket for s in layout.slots}
+    assert buckets["norm0"] == buckets["norm1"] == buckets["norm2"] == 0  # the open shared bucket
+    assert (buckets["big0"], buckets["big1"]) == (1, 2)
+    assert [lone_slot(layout, i) is not None for i in range(layout.num_buckets)] == [False, True, True]
+    assert lone_slot(layout, 2).nbytes == 514 and layout.bucket_nbytes[2] == 576  # padding is never sent
+    assert plan_layout(specs, 4096).num_buckets == 1  # without direct_bytes: greedy, all in one bucket
+    with pytest.raises(ValueError, match="direct-send size"):
+        plan_layout(specs, 4096, direct_bytes=8)
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.uint8]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(0, 700), st.sampled_from(_DTYPES)), min_size=1, max_size=12),
+    bucket_bytes=st.integers(64, 2048),
+    direct_bytes=st.one_of(st.none(), st.integers(64, 3000)),
+)
+def test_layout_invariants_hold_with_and_without_direct_buckets(sizes, bucket_bytes, direct_bytes):
+    specs = [(f"t{i}", (n,), dtype) for i, (n, dtype) in enumerate(sizes)]
+    layout = plan_layout(specs, bucket_bytes, direct_bytes)
+    assert [s.name for s in layout.slots] == [name for name, _, _ in specs]
+    assert all(n % ALIGN == 0 for n in layout.bucket_nbytes)
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for slot in layout.slots:
+        assert slot.offset % ALIGN == 0 and slot.offset + slot.nbytes <= layout.bucket_nbytes[slot.bucket]
+        spans.setdefault(slot.bucket, []).append((slot.offset, slot.offset + slot.nbytes))
+        alone = direct_bytes is not None and slot.nbytes >= direct_bytes
+        if alone or slot.nbytes > bucket_bytes:
+            assert lone_slot(layout, slot.bucket) == slot
+    for bucket, ranges in spans.items():
+        ranges.sort()
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False))  # no overlap
+        if lone_slot(layout, bucket) is None:
+            assert layout.bucket_nbytes[bucket] <= bucket_bytes
+    assert set(spans) == set(range(layout.num_buckets))  # no empty bucket
+    g = torch.Generator().manual_seed(len(sizes))
+    named = {name: torch.randint(0, 255, shape, generator=g).to(dtype) for name, shape, dtype in specs}
+    buckets = allocate_buckets(layout)
+    pack(layout, named, buckets)
+    assert all(torch.equal(view, named[name]) for name, view in unpack(layout, buckets))

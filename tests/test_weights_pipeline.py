@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from rollart_hpc.weights.buckets import layout_for
+from rollart_hpc.weights.buckets import layout_for, lone_slot
 from rollart_hpc.weights.publisher import WeightPublisher, WeightReceiver
 
 BUCKET_BYTES = 4096
@@ -106,8 +106,8 @@ def test_receiver_reuses_its_buckets_across_versions() -> None:
     sender = _publish(model(1))
     group = _FakeGroup(1, sender.sent + sender.sent[2:])
     rec = WeightReceiver(group, 0)  # type: ignore[arg-type]
-    pointers = [b.data_ptr() for b in rec.buckets]
     _, first = rec.receive()
+    pointers = [b.data_ptr() for b in rec.buckets]
     _, second = rec.receive()
     assert [b.data_ptr() for b in rec.buckets] == pointers
     assert [v.data_ptr() for _, v in first] == [v.data_ptr() for _, v in second]
@@ -148,3 +148,60 @@ def test_deferred_publish_returns_before_packing_and_sends_the_tensors() -> None
     _, views = WeightReceiver(_FakeGroup(1, group.sent), 0).receive()  # type: ignore[arg-type]
     for name, view in views:
         assert torch.equal(view.view(torch.uint8), expected[name].view(torch.uint8))
+
+
+DIRECT_BYTES = 1024
+
+
+def test_receive_into_lands_lone_buckets_in_the_callers_tensors_without_a_bucket() -> None:
+    named = model(4)
+    layout = layout_for(named.items(), BUCKET_BYTES, DIRECT_BYTES)
+    lone = {slot.name for i in range(layout.num_buckets) if (slot := lone_slot(layout, i)) is not None}
+    assert lone == {"w0", "w2", "w3", "w4"}  # 2800, 6000, 1476 and 4096 bytes; w1 and w5 share a bucket
+    group = _FakeGroup(0)
+    pub = WeightPublisher(group, layout)  # type: ignore[arg-type]
+    pub.publish(5, {n: t.clone() for n, t in named.items()}, snapshot=False)  # handed over: sent directly
+    pub.wait()
+    assert pub.direct_sends == len(lone)
+    staged = {n: torch.full_like(t, -7) for n, t in named.items()}
+    pointers = {n: t.data_ptr() for n, t in staged.items()}
+    rec = WeightReceiver(_FakeGroup(1, group.sent), 0)  # type: ignore[arg-type]
+    seen: list[str] = []
+
+    def stage(views: list[tuple[str, torch.Tensor]]) -> None:
+        for name, view in views:
+            seen.append(name)
+            staged[name].copy_(view)
+
+    version, views = rec.receive(stage, into=staged)
+    assert version == 5 and sorted(seen) == sorted(set(named) - lone)
+    assert [n for n, _ in views] == list(named)
+    for name, view in views:
+        assert torch.equal(staged[name].view(torch.uint8), named[name].view(torch.uint8))
+        assert (view.data_ptr() == pointers[name]) == (name in lone)  # in place: the caller's own tensor
+    assert {n: t.data_ptr() for n, t in staged.items()} == pointers
+    lone_buckets = {s.bucket for s in layout.slots if s.name in lone}
+    assert all(rec.buckets[i].numel() == 0 for i in lone_buckets)  # never needed a receive buffer
+
+
+def test_receive_into_a_mismatched_tensor_fails_before_any_broadcast_and_the_stream_survives() -> None:
+    named = model(5)
+    layout = layout_for(named.items(), BUCKET_BYTES, DIRECT_BYTES)
+    group = _FakeGroup(0)
+    pub = WeightPublisher(group, layout)  # type: ignore[arg-type]
+    pub.publish(6, named)
+    pub.wait()
+    rec_group = _FakeGroup(1, group.sent)
+    rec = WeightReceiver(rec_group, 0)  # type: ignore[arg-type]
+    issued = rec_group.issued
+    bad = {"w2": torch.zeros(1500, dtype=torch.float64)}
+    with pytest.raises(ValueError, match=r"receive into w2: need a contiguous \(1500,\) float32 tensor"):
+        rec.receive(into=bad)
+    strided = {"w2": torch.zeros(3000)[::2]}
+    with pytest.raises(ValueError, match="not contiguous"):
+        rec.receive(into=strided)
+    assert rec_group.issued == issued and rec.round == 0
+    version, views = rec.receive(into={"w2": torch.zeros(1500)})
+    assert version == 6
+    for name, view in views:
+        assert torch.equal(view.view(torch.uint8), named[name].view(torch.uint8))

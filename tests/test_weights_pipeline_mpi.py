@@ -1,7 +1,10 @@
 """Pipelined receive under mpiexec (1 publisher + 2 receivers, standalone gloo group): buckets of uneven
 sizes holding bf16 and fp32 tensors, each bucket handed to `on_bucket` as it lands while the next ones
 are on the wire, bit-identical to what was published, for both snapshot modes of `publish`; a consumer
-error is raised only after the version's broadcasts drained, and the next version still arrives.
+error is raised only after the version's broadcasts drained, and the next version still arrives. Then a
+second publisher with a direct layout (tensors of at least `DIRECT_BYTES` in buckets of their own) and
+checksums: receiver 1 lands those straight in its staged tensors (`receive(into=...)`), receiver 2 in
+its own buffers; both bit-identical, in both snapshot modes.
 
 The same file is the MPI program: `python test_weights_pipeline_mpi.py TIMEOUT OUT_DIR` on every rank.
 """
@@ -23,6 +26,8 @@ BUCKET_BYTES = 4096
 VERSIONS = (1, 2, 3, 4)
 FAILING_VERSION = 5  # receiver rank 1's consumer raises on its second bucket
 LAST_VERSION = 6
+DIRECT_BYTES = 1024
+DIRECT_VERSIONS = (7, 8)  # 7: a snapshot (lone buckets packed), 8: handed over (sent from the tensors)
 
 
 def model(version: int) -> dict[str, torch.Tensor]:
@@ -61,6 +66,36 @@ def _publish(world: Any, group: Any, result: dict[str, Any]) -> None:
         for tensor in named.values():
             tensor.fill_(-1.0)  # the snapshot rule: changing the tensors now must not reach the receivers
         pub.wait()
+    direct = WeightPublisher(group, layout_for(named.items(), BUCKET_BYTES, DIRECT_BYTES), checksum=True)
+    result["direct_bucket_nbytes"] = list(direct.layout.bucket_nbytes)
+    for version in DIRECT_VERSIONS:
+        fresh = model(version)
+        direct.publish(version, fresh, snapshot=version == DIRECT_VERSIONS[0])
+        direct.wait()
+        result["published"][str(version)] = digest(fresh)
+    result["direct_sends"] = direct.direct_sends
+
+
+def _receive_direct(world: Any, group: Any, result: dict[str, Any]) -> None:
+    from rollart_hpc.weights.publisher import WeightReceiver
+
+    rec = WeightReceiver(group, 0)
+    staged = {n: torch.empty_like(t) for n, t in model(0).items()}
+    pointers = {n: t.data_ptr() for n, t in staged.items()}
+    result["in_place"], result["copied"] = {}, {}
+    for _ in DIRECT_VERSIONS:
+        copied: list[str] = []
+
+        def stage(views: list[tuple[str, torch.Tensor]], copied: list[str] = copied) -> None:
+            for name, view in views:
+                copied.append(name)
+                staged[name].copy_(view)
+
+        got, views = rec.receive(stage, into=staged if world.rank == 1 else None)
+        result["received"][str(got)] = digest(staged)
+        result["views"][str(got)] = digest(views)
+        result["in_place"][str(got)] = sorted(n for n, v in views if v.data_ptr() == pointers[n])
+        result["copied"][str(got)] = sorted(copied)
 
 
 def _receive(world: Any, group: Any, result: dict[str, Any]) -> None:
@@ -89,6 +124,7 @@ def _receive(world: Any, group: Any, result: dict[str, Any]) -> None:
         result["received"][str(got)] = digest(staged)
         result["views"][str(got)] = digest(views)
         result["bucket_calls"][str(got)] = calls
+    _receive_direct(world, group, result)
 
 
 def main() -> None:
@@ -154,6 +190,24 @@ def test_consumer_error_is_raised_and_the_next_version_still_arrives(results: li
     assert str(FAILING_VERSION) not in results[1]["received"]
     assert results[2]["received"][str(FAILING_VERSION)] == results[0]["published"][str(FAILING_VERSION)]
     assert results[1]["received"][str(LAST_VERSION)] == results[0]["published"][str(LAST_VERSION)]
+
+
+@pytest.mark.mpi
+def test_direct_layout_lands_large_tensors_in_place_and_both_receivers_agree(
+    results: list[dict[str, Any]],
+) -> None:
+    published = results[0]["published"]
+    sizes = results[0]["direct_bucket_nbytes"]
+    big = {n for n, t in model(0).items() if t.numel() * t.element_size() >= DIRECT_BYTES}
+    assert len(big) == 5 and len(sizes) == len(big) + 1  # the large tensors alone, the four small together
+    assert results[0]["direct_sends"] == len(big)  # only the handed-over version, sent from its tensors
+    for version in map(str, DIRECT_VERSIONS):
+        for rank in (1, 2):
+            assert results[rank]["received"][version] == published[version]
+            assert results[rank]["views"][version] == published[version]
+        assert set(results[1]["in_place"][version]) == big  # landed straight in the staged tensors
+        assert set(results[1]["copied"][version]) == set(model(0)) - big
+        assert results[2]["in_place"][version] == [] and set(results[2]["copied"][version]) == set(model(0))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--receivers", type=int, default=2, help="number of receiving ranks")
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size in MB")
+    parser.add_argument(
+        "--direct-mb",
+        type=float,
+        default=1.0,
+        help="tensors of at least this many MB get a bucket of their own: sent from the tensor, received "
+        "into the staged one, no copy on either side (0 = off: every tensor packed and copied)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per size (median reported)")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="weight group backend")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="peer timeout inside the world")
@@ -60,9 +67,12 @@ def worker_config(args: argparse.Namespace) -> dict[str, object]:
         raise UsageError(f"--receivers: must be >= 1, got {args.receivers}")
     if args.bucket_mb <= 0 or args.repeats < 1 or args.timeout_s <= 0:
         raise UsageError("--bucket-mb and --timeout-s must be > 0 and --repeats >= 1")
+    if args.direct_mb < 0 or 0 < args.direct_mb * 1e6 < 64:
+        raise UsageError(f"--direct-mb: must be 0 (off) or at least 64 bytes, got {args.direct_mb:g}")
     return {
         "sizes_bytes": [int(s * 1e6) for s in parse_sizes(args.sizes_mb)],
         "bucket_bytes": int(args.bucket_mb * 1e6),
+        "direct_bytes": int(args.direct_mb * 1e6) or None,
         "repeats": args.repeats,
         "backend": args.backend,
         "timeout_s": args.timeout_s,

@@ -2,9 +2,11 @@
 
 Rank 0 publishes, ranks 1..R receive, all in one standalone group. Per size and repetition, after an
 MPI barrier, rank 0 notes the wall clock and runs one of two transfers of the same bytes:
-- ours: `WeightPublisher.publish` + `wait`; each receiver's `receive(on_bucket)` copies every bucket,
-  as soon as it lands, into a staged parameter dict while the next buckets are on the wire, then swaps
-  the staged dict with the active one (no forward would mix versions). The receiver's pause is the time
+- ours: `WeightPublisher.publish` + `wait`; each receiver's `receive(on_bucket, into=staged)` lands the
+  tensors that have a bucket of their own (the layout's `direct_bytes`) straight in a staged parameter
+  dict and copies every other bucket, as soon as it lands, into it while the next buckets are on the
+  wire, then swaps the staged dict with the active one (no forward would mix versions: a
+  double-buffered consumer, e.g. an engine that keeps plain weight tensors). The receiver's pause is the time
   from the last bucket landing to the swap done; the trainer is blocked for the time `publish` takes;
   `tensors_held_s` is when `wait_packed` returns (the trainer may change its tensors);
 - raw: one broadcast of a flat uint8 buffer of the layout's total size.
@@ -82,11 +84,12 @@ def time_ours(
     def stage(views: list[tuple[str, torch.Tensor]]) -> None:
         landed.append(time.time())
         for name, view in views:
-            staged[name].copy_(view)
+            if view.data_ptr() != staged[name].data_ptr():  # not landed in place
+                staged[name].copy_(view)
         copy_s[0] += time.time() - landed[-1]
 
-    got, views = side.receive(stage if overlap else None)
-    if not overlap:
+    got, views = side.receive(stage if overlap else None, into=staged)
+    if not overlap or not landed:
         stage(views)
     models.reverse()  # the swap: the staged copy becomes the active one
     done = time.time()
@@ -120,7 +123,8 @@ def bench_size(
     device = "cuda" if config["backend"] == "nccl" else "cpu"
     named = synthetic_model(nbytes, device)
     if world.rank == 0:
-        side: Any = WeightPublisher(group, layout_for(named.items(), config["bucket_bytes"]))
+        layout = layout_for(named.items(), config["bucket_bytes"], config.get("direct_bytes") or None)
+        side: Any = WeightPublisher(group, layout)
     else:
         side = WeightReceiver(group, 0)
     flat = torch.zeros(side.layout.total_nbytes, dtype=torch.uint8, device=device)
@@ -180,7 +184,8 @@ def main() -> None:
     rows = [bench_size(world, group, config, nbytes) for nbytes in config["sizes_bytes"]]
     group.close()
     if world.rank == 0:
-        result = {"bucket_bytes": config["bucket_bytes"], "backend": config["backend"], "sizes": rows,
+        result = {"bucket_bytes": config["bucket_bytes"], "direct_bytes": config.get("direct_bytes"),
+                  "backend": config["backend"], "sizes": rows,
                   "repeats": config["repeats"], "snapshot": config["snapshot"], "torch": torch.__version__, "threads": torch.get_num_threads()}  # fmt: skip
         Path(sys.argv[2]).write_text(json.dumps(result, indent=1))
 

@@ -160,6 +160,12 @@ class TrainingConfig:
     )
     num_threads: int = doc_field(1, "torch threads of a trainer rank.")
     bucket_mb: float = doc_field(32.0, "Weight publication bucket size, MiB.")
+    bucket_direct_mb: float = doc_field(
+        1.0,
+        "Weights of at least this many MiB get a publication bucket of their own: broadcast straight from "
+        "the trainer's copy (no packing) and landed without a bucket copy by a receiver that stages into "
+        "its own tensors (0 = off: every weight packed into the shared buckets).",
+    )
     ppo_epochs: int = doc_field(
         1, "PPO epochs over each RL batch (> 1: the proximal log-probs are the step's start, clipping acts)."
     )
@@ -192,6 +198,11 @@ class TrainingConfig:
     def validate(self, path: str) -> None:
         if self.lr <= 0 or self.sft_lr <= 0 or self.micro_batch_tokens < 64 or self.sft_steps < 0:
             raise UsageError(f"{path}: lr, sft_lr > 0, micro_batch_tokens >= 64, sft_steps >= 0 required")
+        if self.bucket_mb <= 0 or self.bucket_direct_mb < 0 or 0 < self.bucket_direct_mb * 2**20 < 64:
+            raise UsageError(
+                f"{path}.bucket_mb must be > 0 and {path}.bucket_direct_mb 0 (off) or at least 64 bytes, "
+                f"got {self.bucket_mb:g}, {self.bucket_direct_mb:g}"
+            )
         if self.rl_lr_warmup_steps < 0:
             raise UsageError(f"{path}.rl_lr_warmup_steps: must be >= 0, got {self.rl_lr_warmup_steps}")
         if self.ppo_epochs < 1 or self.num_minibatches < 1:

@@ -213,7 +213,9 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     specs = {name: t.to("meta") for unit in trainer.hf_units() for name, t in unit.items()}
     if group is not None:
         announce = announce_to(ctx.mailbox, ctx.ranks["rollout"], Tag.WEIGHTS, WeightAnnouncement)
-        sender = GroupWeightSender.open(group, specs, config.trainer.bucket_mb, announce)
+        sender = GroupWeightSender.open(
+            group, specs, config.trainer.bucket_mb, announce, direct_mb=config.trainer.bucket_direct_mb
+        )
     busy_s = rl_loop(config, ctx, trainer, sender)
     ctx.mailbox.send(RankStats("trainer", busy_s), 0, Tag.STATS)
     ctx.mailbox.flush()

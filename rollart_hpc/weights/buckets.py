@@ -6,6 +6,10 @@ computed once from the publisher's parameters (`plan_layout`) and shared with th
 per-parameter message. Invariants:
 - tensors are placed greedily in the given order; a bucket never exceeds `bucket_bytes`, except a
   tensor larger than a bucket, which gets a bucket of its own;
+- with `direct_bytes`, every tensor of at least that many bytes gets a bucket of its own too (a "lone"
+  bucket, `lone_slot`), and the smaller ones keep filling the open shared bucket around it: a lone
+  bucket can go on the wire straight from the sender's tensor and land straight in the receiver's
+  (`WeightReceiver.receive(into=...)`), so large weights cost no copy on either side;
 - every offset and every bucket size is a multiple of `ALIGN` bytes, so a slice of a uint8 bucket can be
   viewed as any dtype;
 - `unpack` returns views into the bucket buffers: they stay valid until the buffers are written again.
@@ -85,14 +89,19 @@ class BucketLayout:
 TensorSpec = tuple[str, Sequence[int], torch.dtype]
 
 
-def plan_layout(specs: Iterable[TensorSpec], bucket_bytes: int) -> BucketLayout:
-    """Place tensors greedily, in order, into buckets of at most `bucket_bytes` (see module invariants)."""
+def plan_layout(
+    specs: Iterable[TensorSpec], bucket_bytes: int, direct_bytes: int | None = None
+) -> BucketLayout:
+    """Place tensors greedily, in order, into buckets of at most `bucket_bytes`; with `direct_bytes`,
+    tensors of at least that size each get a bucket of their own (see module invariants)."""
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket size must be at least {ALIGN} bytes, got {bucket_bytes}")
+    if direct_bytes is not None and direct_bytes < ALIGN:
+        raise ValueError(f"direct-send size must be at least {ALIGN} bytes, got {direct_bytes}")
     slots: list[TensorSlot] = []
     sizes: list[int] = []
     names: set[str] = set()
-    used = bucket_bytes + 1  # forces a new bucket for the first tensor
+    shared, used = -1, bucket_bytes + 1  # the open shared bucket; the first small tensor opens one
     for name, shape, dtype in specs:
         if name in names:
             raise ValueError(f"tensor name {name!r} appears twice")
@@ -101,20 +110,25 @@ def plan_layout(specs: Iterable[TensorSpec], bucket_bytes: int) -> BucketLayout:
         for dim in shape:
             numel *= int(dim)
         nbytes = numel * dtype.itemsize
+        shape_ = tuple(int(d) for d in shape)
+        if direct_bytes is not None and nbytes >= direct_bytes:
+            slots.append(TensorSlot(name, shape_, dtype_name(dtype), len(sizes), 0, nbytes))
+            sizes.append(_align(nbytes))
+            continue
         if used + _align(nbytes) > bucket_bytes:
+            shared, used = len(sizes), 0
             sizes.append(0)
-            used = 0
-        slots.append(
-            TensorSlot(name, tuple(int(d) for d in shape), dtype_name(dtype), len(sizes) - 1, used, nbytes)
-        )
+        slots.append(TensorSlot(name, shape_, dtype_name(dtype), shared, used, nbytes))
         used += _align(nbytes)
-        sizes[-1] = used
+        sizes[shared] = used
     return BucketLayout(tuple(slots), tuple(max(s, ALIGN) for s in sizes))
 
 
-def layout_for(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> BucketLayout:
+def layout_for(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, direct_bytes: int | None = None
+) -> BucketLayout:
     """`plan_layout` from named tensors (their shapes and dtypes; contents are not read)."""
-    return plan_layout(((n, tuple(t.shape), t.dtype) for n, t in named), bucket_bytes)
+    return plan_layout(((n, tuple(t.shape), t.dtype) for n, t in named), bucket_bytes, direct_bytes)
 
 
 def allocate_buckets(layout: BucketLayout, device: torch.device | str = "cpu") -> list[torch.Tensor]:
@@ -174,10 +188,11 @@ def bucket_views(
 
 
 def lone_slot(layout: BucketLayout, index: int) -> TensorSlot | None:
-    """The slot that fills bucket `index` exactly (one tensor, offset 0, no padding), or None. Such a
-    bucket can be sent straight from the tensor's own bytes, without packing."""
+    """The slot that is alone in bucket `index` (one non-empty tensor at offset 0), or None. Such a
+    bucket goes on the wire as exactly the tensor's bytes (its alignment padding is never sent), so it
+    can be sent straight from the sender's tensor and land straight in the receiver's."""
     found = [slot for slot in layout.slots if slot.bucket == index]
-    if len(found) == 1 and found[0].offset == 0 and found[0].nbytes == layout.bucket_nbytes[index]:
+    if len(found) == 1 and found[0].offset == 0 and found[0].nbytes > 0:
         return found[0]
     return None
 
@@ -193,8 +208,11 @@ def bucket_checksum(bucket: torch.Tensor) -> int:
     """CRC32 of the bytes of a CPU bucket; on GPU a position-weighted sum of its 64-bit words."""
     if bucket.device.type == "cpu":
         return zlib.crc32(bucket.numpy().data)
-    words = bucket.view(torch.int64)
-    total = torch.zeros((), dtype=torch.int64, device=bucket.device)
+    whole = bucket.numel() // 8 * 8  # a lone bucket is the tensor's bytes: any length
+    words = bucket[:whole].view(torch.int64)
+    total = (
+        bucket[whole:].to(torch.int64) * (torch.arange(bucket.numel() - whole, device=bucket.device) + 3)
+    ).sum()
     for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
         chunk = words[start : start + CHECKSUM_CHUNK_WORDS]
         weights = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=bucket.device)

@@ -9,25 +9,32 @@ Dataflow of one version (round r, counted from 1 on every member):
    once (on GPU the copies are queued on the current stream, which the NCCL broadcasts wait for). A
    background thread waits for the broadcasts with the group timeout, then (when enabled) computes
    per-bucket checksums and broadcasts them. With `snapshot=False` the packing moves into that thread
-   too and `publish` returns after the header; a bucket that one contiguous tensor fills exactly (a
-   large weight: `buckets.lone_slot`) is then not packed at all but broadcast straight from the
-   caller's tensor, so the large tensors cost no copy on the sending side. The caller must not change
-   its tensors until `wait_packed()` returns (e.g. it runs its next forward and backward meanwhile and
+   too and `publish` returns after the header; a bucket that holds one contiguous tensor alone (a
+   tensor larger than a bucket, or any tensor of at least `direct_bytes` of the layout:
+   `buckets.lone_slot`) is then not packed at all but broadcast straight from the caller's tensor, so
+   the large tensors cost no copy on the sending side. The caller must not change its tensors until
+   `wait_packed()` returns (e.g. it runs its next forward and backward meanwhile and
    waits before the optimizer step); with direct sends that is when their broadcasts have ended.
    `publish_stream(version, chunks)` takes the tensors as a sequence of chunks instead (a model-parallel
    trainer gathers one unit at a time, so no rank holds the whole model twice): each chunk is packed into
    its slots as it comes, and each bucket's broadcast is issued as soon as it and every bucket before it
    are complete; it returns once the last chunk is packed (a snapshot, as above).
-2. receiver: `receive(on_bucket)` marks its arrival, takes part in the header broadcast, checks the
-   header against its layout, then issues every bucket broadcast at once into its receive buffers
-   (allocated once, reused by every version) and waits for them in order; as soon as bucket i has
-   landed it calls `on_bucket` with that bucket's named views while buckets i+1.. are still on the wire,
-   so the consumer's copy out of the buckets overlaps the transfer. It returns (version, named views
-   of all buckets). The views stay valid until the next `receive()`; the caller copies them into its
-   engine (`engine.update_weights(named, version)`, or bucket by bucket into a staging copy from
-   `on_bucket`) before calling `receive()` again, so a version is never mixed with the next one. With
-   checksums enabled the buckets are verified only after the last one landed: what `on_bucket` saw is
-   valid only once `receive()` returns without raising.
+2. receiver: `receive(on_bucket)` marks its arrival, takes part in the header broadcast, checks the header
+   against its layout, then issues every bucket broadcast at once into its receive buffers (allocated once,
+   reused by every version) and waits for them in order; as soon as bucket i has landed it calls `on_bucket`
+   with that bucket's named views while buckets i+1.. are still on the wire, so the consumer's copy out of
+   the buckets overlaps the transfer. It returns (version, named views of all buckets, in layout order). The
+   views stay valid until the next `receive()`; the caller copies them into its engine
+   (`engine.update_weights(named, version)`, or bucket by bucket into a staging copy from `on_bucket`)
+   before calling `receive()` again, so a version is never mixed with the next one. With checksums enabled
+   the buckets are verified only after the last one landed: what `on_bucket` saw is valid only once
+   `receive()` returns without raising. `receive(on_bucket, into=staged)` lands every lone bucket (one
+   tensor, `buckets.lone_slot`, e.g. a layout planned with `direct_bytes`) whose name is in `staged`
+   straight in that tensor (contiguous, same shape, dtype and device; checked before any broadcast, a
+   mismatch is a ValueError): no copy out of a bucket. `on_bucket` then sees only the views that still need
+   copying (buckets landed in place are skipped), and the returned list names the `staged` tensors
+   themselves for them. The caller must not read those tensors (no forward on them) until `receive()`
+   returns: they are the staging half of a double-buffered consumer.
 
 Who waits on whom: every wait on a broadcast is bounded by the group timeout and names the peers on
 timeout (`StandaloneGroup.wait`); `wait_packed` waits only for local copies. If `on_bucket` raises, the
@@ -53,9 +60,7 @@ import torch
 
 from rollart_hpc.weights.buckets import (
     BucketLayout,
-    allocate_buckets,
     bucket_checksum,
-    bucket_views,
     check_matches,
     dtype_name,
     lone_slot,
@@ -172,8 +177,8 @@ class WeightPublisher:
                     packed.add(name)
                     missing[place.bucket] -= 1
                 while issued < self.layout.num_buckets and missing[issued] == 0:
-                    self._sent[issued] = self.buckets[issued]
-                    work = self.group.start_broadcast(self.buckets[issued], self.group.member)
+                    self._sent[issued] = self._wire(issued)
+                    work = self.group.start_broadcast(self._sent[issued], self.group.member)
                     works.append((work, f"weights v{version} bucket {issued}/{self.layout.num_buckets}"))
                     issued += 1
             if issued < self.layout.num_buckets:
@@ -206,6 +211,11 @@ class WeightPublisher:
             )
         return self.buckets[index]
 
+    def _wire(self, index: int) -> torch.Tensor:
+        """What bucket `index`'s broadcast sends: its buffer, only the tensor's bytes for a lone bucket."""
+        lone = self._lone[index]
+        return self._buffer(index) if lone is None else self._buffer(index)[: lone.nbytes]
+
     def _pack_and_issue(
         self, version: int, tensors: Mapping[str, torch.Tensor], direct: bool
     ) -> tuple[list[tuple[Any, str]], bool]:
@@ -220,7 +230,7 @@ class WeightPublisher:
             if wire is None:
                 self._buffer(index)
                 pack_bucket(self.layout, index, tensors, self.buckets)
-                wire = self.buckets[index]
+                wire = self._wire(index)
             else:
                 any_direct = True
                 self.direct_sends += 1
@@ -283,37 +293,107 @@ class WeightReceiver:
         self.src = src_member
         self.layout = share_layout(group, None, src_member)
         self.device = _device_for(group.backend)
-        self.buckets = allocate_buckets(self.layout, self.device)
-        self.bucket_views = bucket_views(self.layout, self.buckets)
+        self._lone = [lone_slot(self.layout, index) for index in range(self.layout.num_buckets)]
+        # Receive buffers, allocated once; a lone bucket's only when it first lands in a buffer (a
+        # consumer that always receives it in place never needs one).
+        self.buckets = [
+            torch.empty(0 if lone else nbytes, dtype=torch.uint8, device=self.device)
+            for lone, nbytes in zip(self._lone, self.layout.bucket_nbytes, strict=True)
+        ]
+        self._bucket_views: list[list[tuple[str, torch.Tensor]] | None] = [None] * self.layout.num_buckets
         self.round = 0
 
-    def receive(self, on_bucket: BucketConsumer | None = None) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+    def _buffer(self, index: int) -> torch.Tensor:
+        """Bucket `index`'s receive buffer, allocated on first use."""
+        if self.buckets[index].numel() != self.layout.bucket_nbytes[index]:
+            self.buckets[index] = torch.empty(
+                self.layout.bucket_nbytes[index], dtype=torch.uint8, device=self.device
+            )
+            self._bucket_views[index] = None
+        return self.buckets[index]
+
+    def _wire(self, index: int) -> torch.Tensor:
+        """What bucket `index`'s broadcast lands in: its buffer, only the tensor's bytes for a lone bucket."""
+        lone = self._lone[index]
+        return self._buffer(index) if lone is None else self._buffer(index)[: lone.nbytes]
+
+    def _views(self, index: int) -> list[tuple[str, torch.Tensor]]:
+        """The named typed views into bucket `index`'s receive buffer."""
+        views = self._bucket_views[index]
+        if views is None:
+            self._buffer(index)
+            views = [(s.name, slot_view(s, self.buckets)) for s in self.layout.slots if s.bucket == index]
+            self._bucket_views[index] = views
+        return views
+
+    def receive(
+        self, on_bucket: BucketConsumer | None = None, into: Mapping[str, torch.Tensor] | None = None
+    ) -> tuple[int, list[tuple[str, torch.Tensor]]]:
         """Take part in one version's broadcasts; returns (version, named views valid until the next call).
 
         `on_bucket(named)`, when given, is called with each bucket's named views as soon as that bucket
-        has landed, while the following buckets are still on the wire (see the module docstring)."""
+        has landed, while the following buckets are still on the wire; `into` lands lone buckets straight
+        in the caller's tensors (see the module docstring)."""
+        targets = self._targets(into or {})  # before any broadcast: a bad `into` leaves the stream intact
         self.round += 1
         self.group.mark_arrival(self.round)
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
         self.group.broadcast(header, self.src, "weights header")
         version = self._check_header(header.tolist())
-        error = self._receive_buckets(version, on_bucket)
+        error = self._receive_buckets(version, on_bucket, targets)
         if header[4].item():
-            self._verify_checksums(version)
+            self._verify_checksums(version, targets)
         if error is not None:  # raised once every broadcast of this version, checksums included, is done
             raise error
-        return version, [named for views in self.bucket_views for named in views]
+        landed: dict[str, torch.Tensor] = {}
+        for index, target in enumerate(targets):
+            if target is None:
+                landed.update(self._views(index))
+            else:
+                name = self._lone[index].name  # type: ignore[union-attr]
+                landed[name] = (into or {})[name]
+        return version, [(slot.name, landed[slot.name]) for slot in self.layout.slots]
 
-    def _receive_buckets(self, version: int, on_bucket: BucketConsumer | None) -> Exception | None:
-        """All bucket broadcasts in flight at once; hand each to `on_bucket` as it lands. Returns the
-        consumer's error, if any, after every bucket broadcast has completed (bounded waits)."""
-        works = [self.group.start_broadcast(b, self.src) for b in self.buckets]
+    def _targets(self, into: Mapping[str, torch.Tensor]) -> list[torch.Tensor | None]:
+        """Per bucket, the caller's tensor's bytes it lands in (a lone bucket named in `into`), or None."""
+        targets: list[torch.Tensor | None] = []
+        for index in range(self.layout.num_buckets):
+            slot = self._lone[index]
+            tensor = into.get(slot.name) if slot is not None else None
+            if tensor is None or slot is None:
+                targets.append(None)
+                continue
+            wire = tensor_bytes(tensor)
+            if (
+                wire is None
+                or tuple(tensor.shape) != slot.shape
+                or dtype_name(tensor.dtype) != slot.dtype
+                or tensor.device != self.device
+            ):
+                raise ValueError(
+                    f"receive into {slot.name}: need a contiguous {slot.shape} {slot.dtype} tensor on "
+                    f"{self.device}, got {tuple(tensor.shape)} {dtype_name(tensor.dtype)} on {tensor.device}"
+                    + ("" if wire is not None else " (not contiguous)")
+                )
+            targets.append(wire)
+        return targets
+
+    def _receive_buckets(
+        self, version: int, on_bucket: BucketConsumer | None, targets: list[torch.Tensor | None]
+    ) -> Exception | None:
+        """All bucket broadcasts in flight at once; hand each bucket not landed in place to `on_bucket`
+        as it lands. Returns the consumer's error, if any, after every bucket broadcast has completed
+        (bounded waits)."""
+        works = [
+            self.group.start_broadcast(self._wire(index) if t is None else t, self.src)
+            for index, t in enumerate(targets)
+        ]
         error: Exception | None = None
         for index, work in enumerate(works):
             self.group.wait(work, self.src, f"weights v{version} bucket {index}/{len(works)}")
-            if on_bucket is not None and error is None:
+            if on_bucket is not None and error is None and targets[index] is None:
                 try:
-                    on_bucket(self.bucket_views[index])
+                    on_bucket(self._views(index))
                 except Exception as exc:  # raised by receive() once the wire is drained
                     error = exc
         return error
@@ -329,10 +409,11 @@ class WeightReceiver:
             )
         return int(version)
 
-    def _verify_checksums(self, version: int) -> None:
+    def _verify_checksums(self, version: int, targets: list[torch.Tensor | None]) -> None:
         sums = torch.zeros(self.layout.num_buckets, dtype=torch.int64, device=self.device)
         self.group.broadcast(sums, self.src, f"weights v{version} checksums")
-        for index, (expected, bucket) in enumerate(zip(sums.tolist(), self.buckets, strict=True)):
+        landed = [self._wire(index) if t is None else t for index, t in enumerate(targets)]
+        for index, (expected, bucket) in enumerate(zip(sums.tolist(), landed, strict=True)):
             if bucket_checksum(bucket) != expected:
                 raise WeightSyncError(
                     f"{self.group.world.me}: weights v{version} bucket {index} checksum mismatch"

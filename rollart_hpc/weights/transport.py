@@ -125,11 +125,13 @@ class GroupWeightSender:
         bucket_mb: float,
         announce: Announce | None = None,
         checksum: bool = False,
+        direct_mb: float = 0.0,
     ) -> GroupWeightSender:
         """Collective with every receiver's `GroupWeightReceiver.open`: share the bucket layout of
-        `named_tensors` (names, shapes, dtypes; contents are not read) in buckets of `bucket_mb` MiB."""
+        `named_tensors` (names, shapes, dtypes; contents are not read) in buckets of `bucket_mb` MiB,
+        tensors of at least `direct_mb` MiB in buckets of their own (0: none; `buckets.plan_layout`)."""
         named = _named_dict(named_tensors)
-        layout = layout_for(named.items(), int(bucket_mb * 2**20))
+        layout = layout_for(named.items(), int(bucket_mb * 2**20), int(direct_mb * 2**20) or None)
         return cls(WeightPublisher(group, layout, checksum=checksum), announce)
 
     def publish(self, version: int, named_tensors: NamedTensors, *, snapshot: bool = True) -> None:
@@ -170,10 +172,13 @@ class GroupWeightReceiver:
         """Collective with the sender's `GroupWeightSender.open`: receive the bucket layout."""
         return cls(WeightReceiver(group, src_member))
 
-    def receive(self, on_bucket: BucketConsumer | None = None) -> Received:
+    def receive(
+        self, on_bucket: BucketConsumer | None = None, into: Mapping[str, torch.Tensor] | None = None
+    ) -> Received:
         """`WeightSource.receive`; `on_bucket` sees each bucket's named views as soon as it lands, while
-        the next buckets are still on the wire (see `WeightReceiver.receive`)."""
-        return self.receiver.receive(on_bucket)
+        the next buckets are still on the wire; `into` lands lone buckets straight in the caller's
+        tensors (see `WeightReceiver.receive`)."""
+        return self.receiver.receive(on_bucket, into)
 
 
 # ----- in one process: threads and queues (tests, fakes) -----
