@@ -43,7 +43,8 @@ def _shape(numel: int, hidden: int) -> tuple[int, int]:
 def synthetic_model(nbytes: int, device: str) -> dict[str, torch.Tensor]:
     """HF-named bf16 tensors of `nbytes` in total: per layer attention, MLP and two norms."""
     hidden = 1024 if nbytes >= 64_000_000 else 256
-    pattern = [("self_attn.qkv_proj.weight", 3 * hidden), ("self_attn.o_proj.weight", hidden),
+    pattern = [("input_layernorm.weight", 1), ("self_attn.qkv_proj.weight", 3 * hidden),
+               ("self_attn.o_proj.weight", hidden), ("post_attention_layernorm.weight", 1),
                ("mlp.gate_up_proj.weight", 8 * hidden), ("mlp.down_proj.weight", hidden)]  # fmt: skip
     named: dict[str, torch.Tensor] = {}
     left, layer = nbytes // DTYPE.itemsize, 0
