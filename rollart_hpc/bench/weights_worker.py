@@ -6,8 +6,8 @@ MPI barrier, rank 0 notes the wall clock and runs one of two transfers of the sa
   tensors that have a bucket of their own (the layout's `direct_bytes`) straight in a staged parameter
   dict and copies every other bucket, as soon as it lands, into it while the next buckets are on the
   wire, then swaps the staged dict with the active one (no forward would mix versions: a
-  double-buffered consumer, e.g. an engine that keeps plain weight tensors). The receiver's pause is the time
-  from the last bucket landing to the swap done; the trainer is blocked for the time `publish` takes;
+  double-buffered consumer, e.g. an engine that keeps plain weight tensors). The receiver's pause is
+  the time from the last bucket landing to the swap done; the trainer is blocked for the time `publish` takes;
   `tensors_held_s` is when `wait_packed` returns (the trainer may change its tensors);
 - raw: one broadcast of a flat uint8 buffer of the layout's total size.
 Each receiver reports the wall clock at which it holds the data; the transfer time is the latest of
@@ -29,7 +29,7 @@ import torch
 from rollart_hpc.cluster.env import read_process_env
 from rollart_hpc.cluster.plan import RoleRange, RunPlan
 from rollart_hpc.cluster.world import World, make_world
-from rollart_hpc.weights.buckets import layout_for
+from rollart_hpc.weights.buckets import layout_for, lone_slot
 from rollart_hpc.weights.group import StandaloneGroup, make_standalone_group
 from rollart_hpc.weights.publisher import WeightPublisher, WeightReceiver
 
@@ -90,12 +90,16 @@ def time_ours(
         copy_s[0] += time.time() - landed[-1]
 
     got, views = side.receive(stage if overlap else None, into=staged)
-    if not overlap or not landed:
+    returned = time.time()
+    if not overlap:
         stage(views)
+    # The last bucket landed when `on_bucket` saw it, or (landed in place: no call) when receive returned.
+    last_in_place = lone_slot(side.layout, side.layout.num_buckets - 1) is not None
+    last_landed = returned if overlap and last_in_place else landed[-1]
     models.reverse()  # the swap: the staged copy becomes the active one
     done = time.time()
     check(models[0], got)
-    return {"done": done, "pause_s": done - landed[-1], "copy_s": copy_s[0]}
+    return {"done": done, "pause_s": done - last_landed, "copy_s": copy_s[0]}
 
 
 def _publish_once(
