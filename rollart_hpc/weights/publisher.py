@@ -2,23 +2,23 @@
 
 Dataflow of one version (round r, counted from 1 on every member):
 1. publisher: `publish(version, named)` waits for round r-1 to finish (one version in flight), marks its
-   arrival, issues the header broadcast (magic, version, number of buckets, layout fingerprint,
-   checksum flag), then packs bucket by bucket into its send buffers (allocated once, reused by every
-   version), issuing each bucket's broadcast as soon as it is packed (assembly overlaps the wire). It
-   returns once every bucket is packed: that is the snapshot, so the caller may change its tensors at
-   once (on GPU the copies are queued on the current stream, which the NCCL broadcasts wait for). A
-   background thread waits for the broadcasts with the group timeout, then (when enabled) computes
-   per-bucket checksums and broadcasts them. With `snapshot=False` the packing moves into that thread
-   too and `publish` returns after the header; a bucket that holds one contiguous tensor alone (a
-   tensor larger than a bucket, or any tensor of at least `direct_bytes` of the layout:
-   `buckets.lone_slot`) is then not packed at all but broadcast straight from the caller's tensor, so
-   the large tensors cost no copy on the sending side. The caller must not change its tensors until
-   `wait_packed()` returns (e.g. it runs its next forward and backward meanwhile and
-   waits before the optimizer step); with direct sends that is when their broadcasts have ended.
-   `publish_stream(version, chunks)` takes the tensors as a sequence of chunks instead (a model-parallel
-   trainer gathers one unit at a time, so no rank holds the whole model twice): each chunk is packed into
-   its slots as it comes, and each bucket's broadcast is issued as soon as it and every bucket before it
-   are complete; it returns once the last chunk is packed (a snapshot, as above).
+   arrival, issues the header broadcast (magic, version, number of buckets, layout fingerprint, checksum
+   flag), then packs bucket by bucket into its send buffers (allocated once, reused by every version),
+   issuing each bucket's broadcast as soon as it is packed (assembly overlaps the wire). It returns once
+   every bucket is packed: that is the snapshot, so the caller may change its tensors at once (on GPU the
+   copies are queued on the current stream, which the NCCL broadcasts wait for). A background thread waits
+   for the broadcasts with the group timeout, then (when enabled) computes per-bucket checksums and
+   broadcasts them. With `snapshot=False` the round's start (arrival mark, header) and the packing move into
+   that thread too and `publish` returns at once; a bucket that holds one contiguous tensor alone (a tensor
+   larger than a bucket, or any tensor of at least `direct_bytes` of the layout: `buckets.lone_slot`) is
+   then not packed at all but broadcast straight from the caller's tensor, so the large tensors cost no copy
+   on the sending side. The caller must not change its tensors until `wait_packed()` returns (e.g. it runs
+   its next forward and backward meanwhile and waits before the optimizer step); with direct sends that is
+   when their broadcasts have ended. `publish_stream(version, chunks)` takes the tensors as a sequence of
+   chunks instead (a model-parallel trainer gathers one unit at a time, so no rank holds the whole model
+   twice): each chunk is packed into its slots as it comes, and each bucket's broadcast is issued as soon as
+   it and every bucket before it are complete; it returns once the last chunk is packed (a snapshot, as
+   above).
 2. receiver: `receive(on_bucket)` marks its arrival, takes part in the header broadcast, checks the header
    against its layout, then issues every bucket broadcast at once into its receive buffers (allocated once,
    reused by every version) and waits for them in order; as soon as bucket i has landed it calls `on_bucket`
@@ -128,14 +128,18 @@ class WeightPublisher:
         """Start broadcasting `named` as `version`; returns before delivery (see the module docstring).
 
         `snapshot=True`: returns once `named` is packed into the send buckets (the caller may change its
-        tensors at once). `snapshot=False`: returns at once and packs in the background thread; the
-        caller leaves its tensors unchanged until `wait_packed()` (or `wait()`) returns."""
+        tensors at once). `snapshot=False`: returns at once; the round's start (arrival mark, header) and
+        the packing run in the background thread; the caller leaves its tensors unchanged until
+        `wait_packed()` (or `wait()`) returns."""
         self.wait()
         tensors = dict(named.items() if isinstance(named, Mapping) else named)
         check_matches(self.layout, tensors)
-        header, works = self._start_round(version)
+        self._packed.clear()
+        header: torch.Tensor | None = None
+        works: list[tuple[Any, str]] | None = None
         if snapshot:
             try:
+                header, works = self._start_round(version)
                 works += self._pack_and_issue(version, tensors, direct=False)[0]
             finally:
                 self._packed.set()
@@ -243,10 +247,12 @@ class WeightPublisher:
         self,
         version: int,
         pending: Mapping[str, torch.Tensor] | None,
-        works: list[tuple[Any, str]],
-        header: torch.Tensor,
+        works: list[tuple[Any, str]] | None,
+        header: torch.Tensor | None,
     ) -> None:
         try:
+            if works is None:  # deferred: the round starts here, off the caller's thread
+                header, works = self._start_round(version)
             if pending is not None:
                 issued, any_direct = self._pack_and_issue(version, pending, direct=True)
                 works += issued
@@ -262,7 +268,7 @@ class WeightPublisher:
             self._error = exc
         finally:
             self._packed.set()
-        assert header.numel() == HEADER_LEN  # the header tensor must stay alive until its broadcast ends
+        assert header is None or header.numel() == HEADER_LEN  # alive until its broadcast ends
 
     def wait_packed(self) -> None:
         """Block until the version in flight is packed into the send buckets (its tensors may change);
