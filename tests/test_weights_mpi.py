@@ -30,13 +30,15 @@ def results(tmp_path_factory):
 
 def test_receivers_get_bit_identical_tensors_for_three_versions(results):
     runs = [r["roundtrip"]["runs"] for r in results]
-    assert [run["bucket_bytes"] for run in runs[0]] == [256, 4096, 1 << 20, 4096, 256, 256]
-    assert [run["stream"] for run in runs[0]] == [False] * 5 + [True]  # chunks in reverse, with checksums
+    assert [run["bucket_bytes"] for run in runs[0]] == [256, 4096, 1 << 20, 4096, 256, 256, 1 << 20]
+    assert [run["stream"] for run in runs[0]] == [False] * 5 + [True, False]  # chunks in reverse, checksums
     assert runs[0][2]["num_buckets"] == 1 and runs[0][0]["num_buckets"] >= 5
+    assert runs[0][6]["num_buckets"] == 3  # direct 1 KiB: the embedding and the projection alone
     # Snapshots are always packed; handed-over tensors alone in a bucket go out without a copy: the
     # 300x64 float32 embedding and the 64x64 bf16 projection, in each of the 3 versions, and at 256-byte
-    # buckets also the 264-byte float64 head (larger than a bucket; its alignment padding is not sent).
-    assert [run["direct_sends"] for run in runs[0]] == [0, 0, 0, 2 * 3, 3 * 3, 0]
+    # buckets also the 264-byte float64 head (larger than a bucket; its alignment padding is not sent);
+    # in 1 MiB buckets with `direct_mb` at 1 KiB, the embedding and the projection (checksummed).
+    assert [run["direct_sends"] for run in runs[0]] == [0, 0, 0, 2 * 3, 3 * 3, 0, 2 * 3]
     for index, published in enumerate(runs[0]):
         assert sorted(published["versions"]) == ["1", "2", "3"]
         assert published["versions"]["1"] != published["versions"]["2"]

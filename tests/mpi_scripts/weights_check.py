@@ -29,14 +29,17 @@ TAG_VERSION = 78
 def roundtrip(world, group, result):
     """The transport contract (weights_contract.py) over the group transport, announced over MPI."""
     result["runs"] = []
-    for bucket_bytes, checksum, snapshot, stream in (
-        (256, False, True, False), (4096, True, True, False), (1 << 20, False, True, False),
-        (4096, True, False, False), (256, False, False, False), (256, True, True, True),
+    for bucket_bytes, checksum, snapshot, stream, direct_bytes in (
+        (256, False, True, False, 0), (4096, True, True, False, 0), (1 << 20, False, True, False, 0),
+        (4096, True, False, False, 0), (256, False, False, False, 0), (256, True, True, True, 0),
+        (1 << 20, True, False, False, 1024),
     ):  # fmt: skip
         run = {"bucket_bytes": bucket_bytes, "snapshot": snapshot, "stream": stream}
         if world.rank == 0:
             announce = announce_to(world, [1, 2], TAG_VERSION)
-            sender = GroupWeightSender.open(group, model(0), bucket_bytes / 2**20, announce, checksum)
+            sender = GroupWeightSender.open(
+                group, model(0), bucket_bytes / 2**20, announce, checksum, direct_mb=direct_bytes / 2**20
+            )
             run["num_buckets"] = sender.publisher.layout.num_buckets
             run["versions"] = send_versions(sender, snapshot, stream)
             run["direct_sends"] = sender.publisher.direct_sends
