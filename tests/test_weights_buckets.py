@@ -15,6 +15,7 @@ from rollart_hpc.weights.buckets import (
     pack,
     plan_layout,
     unpack,
+    weighted_word_sum,
 )
 
 
@@ -89,6 +90,16 @@ def test_pack_rejects_mismatched_tensors():
         pack(layout, {**named, "b.weight": torch.zeros(5)}, buckets)
     with pytest.raises(ValueError, match="twice"):
         plan_layout([("x", (1,), torch.float32), ("x", (2,), torch.float32)], 128)
+
+
+def test_word_sum_of_any_length_and_offset_detects_a_flipped_byte():
+    data = torch.arange(300, dtype=torch.int64).view(torch.uint8).clone()
+    for view in (data[:2400], data[:2397], data[3:2003]):  # whole words, a tail, an unaligned start
+        before = weighted_word_sum(view)
+        view[len(view) - 1] ^= 1
+        assert weighted_word_sum(view) != before
+        view[len(view) - 1] ^= 1
+        assert weighted_word_sum(view) == before
 
 
 def test_checksum_detects_a_flipped_byte():

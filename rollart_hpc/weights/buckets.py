@@ -205,14 +205,21 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 def bucket_checksum(bucket: torch.Tensor) -> int:
-    """CRC32 of the bytes of a CPU bucket; on GPU a position-weighted sum of its 64-bit words."""
+    """CRC32 of the bytes of a CPU bucket; on GPU `weighted_word_sum` (no copy to the host)."""
     if bucket.device.type == "cpu":
         return zlib.crc32(bucket.numpy().data)
-    whole = bucket.numel() // 8 * 8  # a lone bucket is the tensor's bytes: any length
+    return weighted_word_sum(bucket)
+
+
+def weighted_word_sum(bucket: torch.Tensor) -> int:
+    """A position-weighted sum of a uint8 tensor's 64-bit words (and of its trailing bytes: a lone bucket
+    is the tensor's own bytes, of any length and offset), computed on the tensor's device."""
+    if bucket.storage_offset() % 8:
+        bucket = bucket.clone()  # a view at an unaligned offset cannot be read as 64-bit words
+    whole = bucket.numel() // 8 * 8
     words = bucket[:whole].view(torch.int64)
-    total = (
-        bucket[whole:].to(torch.int64) * (torch.arange(bucket.numel() - whole, device=bucket.device) + 3)
-    ).sum()
+    tail = torch.arange(bucket.numel() - whole, dtype=torch.int64, device=bucket.device) + 3
+    total = (bucket[whole:].to(torch.int64) * tail).sum()
     for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
         chunk = words[start : start + CHECKSUM_CHUNK_WORDS]
         weights = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=bucket.device)
