@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from slurm_logs import step_succeeded
 
 from rollart_hpc.cluster.plan import make_plan
 from rollart_hpc.cluster.sbatch import JobSpec, het_components, render_hetjob
@@ -109,7 +110,7 @@ def test_hetjob_gpu_ranks_get_distinct_gpus_of_their_node_as_planned(
     record = json.loads((run_dir / submit.JOB_RECORD).read_text())
     log = Path(record["logs"][0])
     _wait_done(str(record["job_id"]), log)
-    assert "[slurm] step exited with status 0" in _tail(log), _tail(log)
+    assert step_succeeded(_tail(log)), _tail(log)
     ranks = _ranks(run_dir)
     assert sorted(ranks) == list(range(6)), _tail(log)
     trainers = [ranks[4], ranks[5]]

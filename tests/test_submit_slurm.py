@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from slurm_logs import step_succeeded
 
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.entry import submit
@@ -93,7 +94,7 @@ def test_hetjob_smoke_runs_each_role_on_its_partition_node(repo_root: Path, tmp_
     assert states == ["COMPLETED", "COMPLETED"], log
     assert _ok_lines(log) == {(role, rank) for rank, role in enumerate(ROLES)}, log
     assert _rank_nodes(run_dir) == {0: "rollout1", 1: "rollout1", 2: "rollout1", 3: "rollout1", 4: "train1"}
-    assert "[slurm] step exited with status 0" in log
+    assert step_succeeded(log), log
     print(f"hetjob smoke: submit to done {time.monotonic() - start:.1f}s")
 
 
