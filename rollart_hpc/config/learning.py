@@ -150,6 +150,12 @@ class TrainingConfig:
     sft_steps: int = doc_field(20, "Supervised warm-start steps on oracle demonstrations before RL.")
     sft_lr: float = doc_field(3e-3, "Learning rate of the warm start.")
     sft_batch_size: int = doc_field(16, "Demonstrations per warm-start step.")
+    sft_sampling: Literal["task", "family"] = doc_field(
+        "task",
+        "How the warm start draws each demonstration: 'task' = a training task uniformly (a family's share "
+        "is its share of the tasks); 'family' = a family uniformly, then one of its tasks uniformly (every "
+        "family gets an equal share of the warm start whatever its task count).",
+    )
     rl_fresh_optimizer: bool = doc_field(
         True, "Start RL with fresh AdamW moments (the warm start's would scale the first RL steps)."
     )

@@ -82,6 +82,27 @@ def demonstrations(config: Config, tokenizer: PreTrainedTokenizerBase) -> list[T
     return [demonstration_trajectory(families[t.family], t, tokenizer, cfg) for t in run_tasks(config.envs)]
 
 
+def pick_demonstrations(
+    demos: list[Trajectory], count: int, sampling: str, rng: random.Random
+) -> list[Trajectory]:
+    """`count` demonstrations drawn with replacement: each one a task uniformly (`sampling` "task"), or a
+    family uniformly and then one of its tasks uniformly ("family"; families in first-seen order, so the
+    draws are a function of the seed and the demonstrations' order)."""
+    if sampling == "task":
+        return [demos[rng.randrange(len(demos))] for _ in range(count)]
+    if sampling != "family":
+        raise ValueError(f"unknown warm-start sampling {sampling!r} (task or family)")
+    by_family: dict[str, list[Trajectory]] = {}
+    for demo in demos:
+        by_family.setdefault(demo.family, []).append(demo)
+    groups = list(by_family.values())
+    picked = []
+    for _ in range(count):
+        group = groups[rng.randrange(len(groups))]
+        picked.append(group[rng.randrange(len(group))])
+    return picked
+
+
 def to_batch(trajs: list[Trajectory]) -> PackedBatch:
     from rollart_hpc.train.batch import from_sequences
 
@@ -105,7 +126,7 @@ def warm_start(
     me = trainers.index(ctx.world.rank)
     metrics: dict[str, float] = {}
     for step in range(t.sft_steps):
-        picked = [demos[rng.randrange(len(demos))] for _ in range(t.sft_batch_size)]
+        picked = pick_demonstrations(demos, t.sft_batch_size, t.sft_sampling, rng)
         total = sum(d.num_action_tokens for d in picked)
         mine = picked[me :: len(trainers)]
         metrics = trainer.sft_step(to_batch(mine), num_global_action_tokens=total)
