@@ -192,3 +192,30 @@ def test_baseline_frozen_at_dispatch():
         if t is not None and t.task_id == first.task_id:
             core.on_result(finish(t, 0, reward=1.0))
     assert first.baseline == frozen
+
+
+def test_family_balance_groups_the_sampler_by_the_task_ids_family():
+    from pathlib import Path
+
+    from rollart_hpc.config import load_config
+    from rollart_hpc.contracts.errors import UsageError
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
+    ids = ["household/a", "calc_math/0001", "household/b", "calc_math/0002", "calc_math/0003"]
+    config = load_config(tiny, ['algo.sampler_balance="family"'])
+    core = ControllerCore.from_config(config.controller, config.algo, ids, seed=0)
+    assert core.sampler.groups == ["household", "calc_math"]
+    draws = Counter()
+    for _ in range(3000):
+        task = core.sampler.acquire()
+        draws[task.partition("/")[0]] += 1
+        core.sampler.release(task)
+    assert abs(draws["household"] - 1500) < 6 * (3000 * 0.25) ** 0.5  # 2 tasks get half, as 3 do
+    plain = ControllerCore.from_config(load_config(tiny).controller, load_config(tiny).algo, ids, seed=0)
+    assert plain.sampler.groups == []
+    with pytest.raises(UsageError, match=r"algo\.sampler_balance"):
+        load_config(tiny, ['algo.sampler_balance="families"'])
+    with pytest.raises(ValueError, match="unknown sampler balance 'x'"):
+        ControllerCore.build(
+            ids, batch_size=2, max_staleness=1, mode="async", num_steps=2, seed=0, sampler_balance="x"
+        )

@@ -209,19 +209,99 @@ def test_tree_refuses_negative_and_nan_weights() -> None:
     num_tasks=st.integers(1, 12),
     cap=st.integers(1, 3),
     seed=st.integers(0, 2**16),
+    num_groups=st.integers(0, 3),
 )
-def test_sampler_tree_tracks_open_weights_and_resumes_alike(num_tasks, cap, seed) -> None:
+def test_sampler_tree_tracks_open_weights_and_resumes_alike(num_tasks, cap, seed, num_groups) -> None:
     task_ids = [f"t{i}" for i in range(num_tasks)]
+    groups = [f"g{(i * 7) % num_groups}" for i in range(num_tasks)] if num_groups else None
     values = FixedValues({t: random.Random(seed + i).random() for i, t in enumerate(task_ids)})
-    sampler = TaskSampler(task_ids, values, max_in_flight_per_task=cap, seed=seed)
+    sampler = TaskSampler(task_ids, values, max_in_flight_per_task=cap, seed=seed, groups=groups)
     random_ops(sampler, values, random.Random(seed), 120)
     open_weights = [
         priority_weight(values.value(t), 0.05) if sampler.in_flight(t) < cap else 0.0 for t in task_ids
     ]
-    assert [sampler._tree.leaf(i) for i in range(num_tasks)] == open_weights
-    assert sampler._tree.total == pytest.approx(math.fsum(open_weights), rel=1e-12, abs=0.0)
-    assert sampler._num_open == len(sampler.eligible())
-    restored = TaskSampler(task_ids, values, max_in_flight_per_task=cap, seed=seed + 1)
+    labels = groups or [""] * num_tasks
+    names = list(dict.fromkeys(labels))
+    assert len(sampler._trees) == len(names)
+    for tree, name, open_count in zip(sampler._trees, names, sampler._open, strict=True):
+        mine = [w for w, label in zip(open_weights, labels, strict=True) if label == name]
+        assert [tree.leaf(i) for i in range(len(mine))] == mine
+        assert tree.total == pytest.approx(math.fsum(mine), rel=1e-12, abs=0.0)
+        assert open_count == sum(1 for w in mine if w > 0.0)
+    assert sum(sampler._open) == len(sampler.eligible())
+    restored = TaskSampler(task_ids, values, max_in_flight_per_task=cap, seed=seed + 1, groups=groups)
     restored.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
-    assert restored._tree._tree == sampler._tree._tree
+    assert [t._tree for t in restored._trees] == [t._tree for t in sampler._trees]
     assert [restored.acquire() for _ in range(10)] == [sampler.acquire() for _ in range(10)]
+
+
+GROUPED_VALUES = {"a0": 0.5, "a1": 0.1, "a2": 0.9, "a3": 0.3, "b0": 0.5, "b1": 0.02, "c0": 0.7}
+
+
+def grouped_sampler(cap: int = 1, seed: int = 3) -> tuple[TaskSampler, FixedValues]:
+    values = FixedValues(dict(GROUPED_VALUES))
+    ids = list(values.values)
+    return TaskSampler(ids, values, seed=seed, max_in_flight_per_task=cap, groups=[t[0] for t in ids]), values
+
+
+def test_groups_share_draws_equally_and_tasks_within_a_group_by_weight() -> None:
+    """Each of the 3 groups draws 1/3; a task gets 1/3 x its share of its group's weight."""
+    sampler, values = grouped_sampler(cap=2)
+    weights = {t: priority_weight(v, 0.05) for t, v in values.values.items()}
+    group_total = {g: sum(w for t, w in weights.items() if t[0] == g) for g in "abc"}
+    expected = {t: w / group_total[t[0]] / 3 for t, w in weights.items()}
+    assert_draws_follow(sampler, expected, 30_000)
+    values.values["a2"] = 0.5  # a value change moves the draws within its group only
+    sampler.refresh("a2")
+    weights["a2"] = priority_weight(0.5, 0.05)
+    group_total["a"] = sum(w for t, w in weights.items() if t[0] == "a")
+    expected = {t: w / group_total[t[0]] / 3 for t, w in weights.items()}
+    assert_draws_follow(sampler, expected, 30_000)
+
+
+def test_a_group_whose_tasks_are_all_at_their_cap_drops_out_until_one_returns() -> None:
+    sampler, _ = grouped_sampler(cap=1)
+    held = []
+    while "c0" not in held:  # group c has one task: drawing it puts the whole group at its cap
+        task = sampler.acquire()
+        assert task is not None
+        held.append(task)
+    for task in held[:-1]:
+        sampler.release(task)
+    draws: Counter[str] = Counter()
+    for _ in range(4000):
+        task = sampler.acquire()
+        assert task is not None and task[0] in "ab"
+        draws[task[0]] += 1
+        sampler.release(task)
+    assert abs(draws["a"] - draws["b"]) < 6 * math.sqrt(4000 * 0.25)  # a and b still split evenly
+    sampler.release("c0")
+    back = Counter()
+    for _ in range(3000):
+        task = sampler.acquire()
+        assert task is not None
+        back[task[0]] += 1
+        sampler.release(task)
+    assert back["c"] > 3000 / 3 - 6 * math.sqrt(3000 * 2 / 9)  # c is back with its third of the draws
+
+
+def test_one_group_draws_exactly_what_no_groups_draws() -> None:
+    def values() -> FixedValues:
+        return FixedValues({f"t{i}": i / 9 for i in range(9)})
+
+    plain_values, grouped_values = values(), values()
+    plain = TaskSampler(list(plain_values.values), plain_values, seed=4)
+    grouped = TaskSampler(list(grouped_values.values), grouped_values, seed=4, groups=["household"] * 9)
+    plain_draws = random_ops(plain, plain_values, random.Random(6), 300)
+    assert plain_draws == random_ops(grouped, grouped_values, random.Random(6), 300)
+    assert len(set(plain_draws)) > 3
+
+
+def test_group_labels_are_checked_and_saved() -> None:
+    values = FixedValues({"a": 0.5, "b": 0.5})
+    with pytest.raises(ValueError, match="1 group labels for 2 tasks"):
+        TaskSampler(["a", "b"], values, groups=["x"])
+    grouped = TaskSampler(["a", "b"], values, groups=["x", "y"])
+    plain = TaskSampler(["a", "b"], values)
+    with pytest.raises(ValueError, match="in-flight cap or groups"):
+        plain.load_state_dict(grouped.state_dict())

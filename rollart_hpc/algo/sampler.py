@@ -131,7 +131,14 @@ class SumTree:
 
 
 class TaskSampler:
-    """Draws task ids ∝ priority weight, skipping tasks at their in-flight cap."""
+    """Draws task ids ∝ priority weight, skipping tasks at their in-flight cap.
+
+    With `groups` (task i's group label, e.g. its env family) a draw first picks a group uniformly among
+    those with a task below its cap, then a task of that group ∝ priority weight: each group gets an equal
+    share of the draws whatever its task count. One sum tree per group; one uniform u per draw, whose
+    integer part of u x (open groups) picks the group and whose fraction picks the task. Without groups
+    (one group) the draw is u x total on the single tree, exactly as before groups existed.
+    """
 
     def __init__(
         self,
@@ -141,6 +148,7 @@ class TaskSampler:
         epsilon: float = 0.05,
         max_in_flight_per_task: int = 1,
         seed: int = 0,
+        groups: Sequence[str] | None = None,
     ) -> None:
         if not task_ids:
             raise ValueError("TaskSampler needs at least one task")
@@ -156,9 +164,21 @@ class TaskSampler:
         self.max_in_flight_per_task = int(max_in_flight_per_task)
         self._in_flight: dict[str, int] = {t: 0 for t in self._task_ids}
         self._index = {t: i for i, t in enumerate(self._task_ids)}
+        if groups is not None and len(groups) != len(self._task_ids):
+            raise ValueError(f"TaskSampler got {len(groups)} group labels for {len(self._task_ids)} tasks")
+        labels = list(groups) if groups is not None else [""] * len(self._task_ids)
+        names = list(dict.fromkeys(labels))  # groups in first-seen order
+        self.groups = names if groups is not None else []
+        self._group = [names.index(label) for label in labels] if len(names) > 1 else [0] * len(labels)
+        self._members: list[list[int]] = [[] for _ in names]
+        self._slot: list[int] = []  # task i's leaf in its group's tree
+        for index, group in enumerate(self._group):
+            self._slot.append(len(self._members[group]))
+            self._members[group].append(index)
         self._weights: list[float] = [0.0] * len(self._task_ids)  # of every task, open or at its cap
-        self._tree = SumTree(self._weights)  # leaf i: task i's weight while below its cap, else 0
-        self._num_open = len(self._task_ids)  # tasks below their in-flight cap
+        # leaf of task i in its group's tree: its weight while below its cap, else 0
+        self._trees = [SumTree([0.0] * len(members)) for members in self._members]
+        self._open = [len(members) for members in self._members]  # tasks below their cap, per group
         self._rng = np.random.Generator(np.random.PCG64(seed))
         self.refresh_all()
 
@@ -173,14 +193,15 @@ class TaskSampler:
             return
         self._weights[index] = weight
         if self._is_open(task_id):
-            self._tree.set(index, weight)
+            self._trees[self._group[index]].set(self._slot[index], weight)
 
     def refresh_all(self) -> None:
         """Re-read every task's value (after a policy event or a restore) and rebuild the tree."""
         self._weights = [priority_weight(self._values.value(t), self.epsilon) for t in self._task_ids]
         open_ = [self._is_open(t) for t in self._task_ids]
-        self._num_open = sum(open_)
-        self._tree.rebuild([w if o else 0.0 for w, o in zip(self._weights, open_, strict=True)])
+        for group, members in enumerate(self._members):
+            self._open[group] = sum(open_[i] for i in members)
+            self._trees[group].rebuild([self._weights[i] if open_[i] else 0.0 for i in members])
 
     @property
     def task_ids(self) -> list[str]:
@@ -204,15 +225,26 @@ class TaskSampler:
 
         One uniform u per draw, scaled to the tree's total: tasks at their cap are leaves of weight 0, so
         the task drawn is the one a cumulative sum over the eligible tasks alone, in registration order,
-        would give for the same u."""
-        if not self._num_open:
-            return None
-        index = self._tree.find(self._rng.random() * self._tree.total)
+        would give for the same u. With groups: the open group number floor(u x k) of the k open ones (in
+        first-seen order), then the same descent in its tree with the fraction u x k - floor(u x k)."""
+        if len(self._trees) == 1:
+            if not self._open[0]:
+                return None
+            group, point = 0, self._rng.random()
+        else:
+            open_groups = [g for g, count in enumerate(self._open) if count]
+            if not open_groups:
+                return None
+            scaled = self._rng.random() * len(open_groups)
+            pick = min(int(scaled), len(open_groups) - 1)
+            group, point = open_groups[pick], scaled - pick
+        tree = self._trees[group]
+        index = self._members[group][tree.find(point * tree.total)]
         task_id = self._task_ids[index]
         self._in_flight[task_id] += 1
         if not self._is_open(task_id):
-            self._tree.set(index, 0.0)
-            self._num_open -= 1
+            tree.set(self._slot[index], 0.0)
+            self._open[group] -= 1
         return task_id
 
     def release(self, task_id: str) -> None:
@@ -223,25 +255,37 @@ class TaskSampler:
         self._in_flight[task_id] = count - 1
         if count == self.max_in_flight_per_task:  # it was at its cap: its leaf gets its weight back
             index = self._index[task_id]
-            self._tree.set(index, self._weights[index])
-            self._num_open += 1
+            group = self._group[index]
+            self._trees[group].set(self._slot[index], self._weights[index])
+            self._open[group] += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """JSON-able; "groups" only when the sampler has groups (the state of one without is unchanged)."""
+        state: dict[str, Any] = {
             "task_ids": list(self._task_ids),
             "epsilon": self.epsilon,
             "max_in_flight_per_task": self.max_in_flight_per_task,
             "in_flight": dict(self._in_flight),
             "rng": self._rng.bit_generator.state,
         }
+        if self.groups:
+            state["groups"] = list(self.groups)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a `state_dict()` saved by a sampler with the same tasks, epsilon and cap; the tree is
         rebuilt from the restored counts and the values read now."""
-        saved = (list(state["task_ids"]), float(state["epsilon"]), int(state["max_in_flight_per_task"]))
-        mine = (self._task_ids, self.epsilon, self.max_in_flight_per_task)
+        saved = (
+            list(state["task_ids"]),
+            float(state["epsilon"]),
+            int(state["max_in_flight_per_task"]),
+            list(state.get("groups", [])),
+        )
+        mine = (self._task_ids, self.epsilon, self.max_in_flight_per_task, self.groups)
         if saved != mine:
-            raise ValueError("sampler checkpoint was saved with other tasks, epsilon or in-flight cap")
+            raise ValueError(
+                "sampler checkpoint was saved with other tasks, epsilon, in-flight cap or groups"
+            )
         self._in_flight = {t: int(state["in_flight"][t]) for t in self._task_ids}
         self._rng.bit_generator.state = dict(state["rng"])
         self.refresh_all()

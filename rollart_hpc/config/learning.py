@@ -77,6 +77,12 @@ class AlgoConfig:
     max_in_flight_per_task: int = doc_field(
         1, "Task sampler: concurrent requests (groups, with the group estimator) per task."
     )
+    sampler_balance: Literal["task", "family"] = doc_field(
+        "task",
+        "Task sampler: 'task' = every training task by its priority weight (a family's share of the "
+        "dispatches follows its task count and values); 'family' = an env family uniformly among those "
+        "with a task below its cap, then one of its tasks by priority weight (each family an equal share).",
+    )
     clip_low: float = doc_field(0.2, "PPO ratio clip below 1.")
     clip_high: float = doc_field(0.28, "PPO ratio clip above 1.")
     dual_clip_c: float = doc_field(2.0, "Negative dual-clip constant c (> 1).")

@@ -154,10 +154,12 @@ class ControllerCore:
         drift_per_version: float = 0.0,
         group_size: int = 0,
         redundancy: float = 1.0,
+        sampler_balance: str = "task",
     ) -> ControllerCore:
         """A core with a tracker (no offline outcomes: v = 0.5 per task): SPO++'s `EventTimeTracker`
         ('event_time') or SPO's `SPOTracker` ('arrival', rho from `arrival_rho`), and a `TaskSampler` over
-        `task_ids`, both seeded from `seed`; `group_size` >= 2 turns on group dispatch."""
+        `task_ids`, both seeded from `seed` (`sampler_balance` 'family': the sampler's groups are the
+        task ids' families, "family/rest"); `group_size` >= 2 turns on group dispatch."""
         priors = {t: jeffreys_prior([]) for t in task_ids}
         tracker: ValueTracker
         if tracker_kind == "event_time":
@@ -166,12 +168,16 @@ class ControllerCore:
             tracker = SPOTracker(priors, rho=arrival_rho)
         else:
             raise ValueError(f"unknown tracker {tracker_kind!r}; known: event_time, arrival")
+        if sampler_balance not in ("task", "family"):
+            raise ValueError(f"unknown sampler balance {sampler_balance!r}; known: task, family")
+        families = [t.partition("/")[0] for t in task_ids] if sampler_balance == "family" else None
         sampler = TaskSampler(
             list(task_ids),
             tracker,
             epsilon=sampler_epsilon,
             max_in_flight_per_task=max_in_flight_per_task,
             seed=seed,
+            groups=families,
         )
         return cls(
             batch_size=batch_size,
@@ -205,6 +211,7 @@ class ControllerCore:
             drift_per_version=algo.arrival_drift_per_version,
             group_size=algo.group_size if algo.estimator == "group" else 0,
             redundancy=controller.redundancy,
+            sampler_balance=algo.sampler_balance,
         )
 
     # ---- dispatch -------------------------------------------------------------------------------
