@@ -226,3 +226,20 @@ def test_run_with_a_malformed_household_file_writes_nothing(tmp_path):
     )  # fmt: skip
     one_line_error(result, str(manifest), "'games' is not a list")
     assert not run_dir.exists()
+
+
+def test_checkpoint_older_than_a_config_field_resumes_while_the_field_keeps_its_default(tmp_path):
+    """A field the schema gained after the checkpoint was written is absent from its fingerprint: a run
+    that leaves it at its default (the old behaviour) resumes; one that changes it is refused."""
+    run_dir, config = fake_run(tmp_path, [])
+    path = ckpt.latest(run_dir)
+    marker_path = path / ckpt.COMPLETE
+    marker = json.loads(marker_path.read_text())
+    del marker["config"]["algo.sampler_balance"]
+    marker_path.write_text(json.dumps(marker))
+    ckpt.check_fingerprint(path, config)
+    changed = load_config(
+        REPO / "configs/tiny.toml", ["controller.mode=sync", 'algo.sampler_balance="family"']
+    )
+    with pytest.raises(UsageError, match=r"algo\.sampler_balance was None, the run's config says 'family'"):
+        ckpt.check_fingerprint(path, changed)

@@ -83,6 +83,28 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
+def _added_at_default(config: Config, dotted: str) -> bool:
+    """True when field `dotted` (absent from a checkpoint's fingerprint: the schema gained it after the
+    checkpoint was written) holds its schema default in `config`, so the run behaves as the one that
+    wrote the checkpoint did (a new field's default keeps the old behaviour)."""
+    *parents, name = dotted.split(".")
+    section: Any = config
+    for part in parents:
+        section = getattr(section, part, None)
+    if not (dataclasses.is_dataclass(section) and not isinstance(section, type)):
+        return False
+    field = {f.name: f for f in dataclasses.fields(section)}.get(name)
+    if field is None:
+        return False
+    if field.default is not dataclasses.MISSING:
+        default = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        default = field.default_factory()
+    else:
+        return False
+    return bool(getattr(section, name) == default)
+
+
 def check_fingerprint(path: Path, config: Config) -> None:
     """UsageError (one line) when the checkpoint was written under other values of the fields that matter."""
     marker = json.loads((path / COMPLETE).read_text())
@@ -90,7 +112,11 @@ def check_fingerprint(path: Path, config: Config) -> None:
     if saved is None:
         return  # written before checkpoints carried a fingerprint
     current = config_fingerprint(config)
-    differ = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+    differ = sorted(
+        k
+        for k in saved.keys() | current.keys()
+        if saved.get(k) != current.get(k) and not (k not in saved and _added_at_default(config, k))
+    )
     if differ:
         key = differ[0]
         more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
