@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rollart_hpc.kernels import KernelLossConfig, LossInputs
 
 from rollart_hpc.algo import (
     LossConfig,
@@ -19,6 +18,7 @@ from rollart_hpc.algo import (
     policy_loss,
     ppo_token_terms,
 )
+from rollart_hpc.kernels import KernelLossConfig, LossInputs
 
 CONFIGS = {
     "spo++": LossConfig(),

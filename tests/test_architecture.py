@@ -1,8 +1,7 @@
 """The layering of the package, read from the source with `ast` (nothing is imported).
 
 Units are the top-level pieces of `rollart_hpc`: its sub-packages (`rollart_hpc.envs`, ...) and its
-top-level modules (`rollart_hpc.rl_common`, ...); `rollart_hpc.kernels` is the folder `kernels/`
-(pyproject's package-dir). Every import counts, wherever it is written: module level, inside a function,
+top-level modules (`rollart_hpc.rl_common`, ...), `rollart_hpc.kernels` among them. Every import counts, wherever it is written: module level, inside a function,
 under `if TYPE_CHECKING:`, relative or absolute, and `importlib.import_module("literal")`. A lazy import
 is for a heavy dependency, never to hide a cycle, so the graph between units must be acyclic; the ground
 units import (almost) nothing: `contracts` nothing of the package, `config` only `contracts`, and
@@ -19,8 +18,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "rollart_hpc"
-# Folder -> the package name it is installed as (pyproject.toml [tool.setuptools.package-dir]).
-ROOTS = {REPO / "rollart_hpc": PACKAGE, REPO / "kernels": f"{PACKAGE}.kernels"}
+# Folder -> the package name it is installed as.
+ROOTS = {REPO / "rollart_hpc": PACKAGE}
 
 
 @dataclass(frozen=True)
@@ -193,9 +192,12 @@ def test_reader_finds_cycles_and_names_them():
     )
 
 
-def test_kernels_map_to_the_kernels_folder():
+def test_kernels_live_inside_the_package():
+    # A top-level `kernels/` folder would shadow the `kernels` distribution that transformers imports
+    # whenever the repository root is on sys.path (pytest, `python launch.py`).
     modules = package_modules()
-    assert modules["rollart_hpc.kernels.policy_loss"] == REPO / "kernels" / "policy_loss.py"
+    assert modules["rollart_hpc.kernels.policy_loss"] == REPO / "rollart_hpc" / "kernels" / "policy_loss.py"
+    assert not (REPO / "kernels").exists()
     assert modules["rollart_hpc.config"] == REPO / "rollart_hpc" / "config" / "__init__.py"
 
 
@@ -218,7 +220,7 @@ def test_config_imports_only_contracts():
 
 def test_kernels_import_nothing_of_the_package_outside_kernels():
     bad = _outside(_graph(), "kernels", set())
-    assert not bad, "kernels/ (rollart_hpc.kernels) stands alone:\n" + "\n".join(bad)
+    assert not bad, "rollart_hpc.kernels stands alone:\n" + "\n".join(bad)
 
 
 def test_no_two_public_classes_of_the_package_share_a_name():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from rollart_hpc.kernels import KernelLossConfig, KernelTuning, fused_policy_loss, resolve_impl
 from rollart_hpc.kernels.policy_loss import IMPL_ENV
 
@@ -80,7 +81,7 @@ def _package_imports(tree: ast.AST) -> list[str]:
         if isinstance(node, ast.Import):
             found += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "kernels/ uses absolute imports (rollart_hpc.kernels.x)"
+            assert node.level == 0, "rollart_hpc/kernels/ uses absolute imports (rollart_hpc.kernels.x)"
             found += [f"{node.module}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
             arg = node.args[0] if node.args else None
@@ -90,7 +91,7 @@ def _package_imports(tree: ast.AST) -> list[str]:
 
 
 def test_kernels_import_nothing_of_the_package_but_themselves(repo_root: Path) -> None:
-    files = sorted((repo_root / "kernels").rglob("*.py"))
+    files = sorted((repo_root / "rollart_hpc" / "kernels").rglob("*.py"))
     assert len(files) >= 5
     imports = {f.name: _package_imports(ast.parse(f.read_text(), str(f))) for f in files}
     outside = {
@@ -157,7 +158,7 @@ def test_bench_cpu_reexecs_under_the_interpreter(tmp_path: Path, python: str, re
 def test_gpu_real_vocab_parity_and_memory() -> None:
     """bf16, nt=4096, nh=4096, nv=151936 on the GPU: Triton equals the torch reference, memory stays O(chunk)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("run with TRITON_INTERPRET=0 (kernels/gpu_check.sh does)")
+        pytest.skip("run with TRITON_INTERPRET=0 (scripts/kernel_gpu_check.sh does)")
     gen = torch.Generator(device="cuda").manual_seed(0)
     nt, nh, nv = 4096, 4096, 151936
     hidden = torch.randn(nt, nh, device="cuda", generator=gen).bfloat16()
@@ -186,7 +187,7 @@ def test_gpu_real_vocab_parity_and_memory() -> None:
 @needs_cuda
 def test_gpu_bench_real_size(tmp_path: Path) -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("run with TRITON_INTERPRET=0 (kernels/gpu_check.sh does)")
+        pytest.skip("run with TRITON_INTERPRET=0 (scripts/kernel_gpu_check.sh does)")
     from rollart_hpc.bench import kernel
 
     parser = argparse.ArgumentParser()

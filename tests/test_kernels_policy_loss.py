@@ -11,6 +11,8 @@ import math
 
 import pytest
 import torch
+
+from rollart_hpc.algo.loss import LossConfig, broadcast_to_tokens, packed_policy_loss
 from rollart_hpc.kernels import (
     KernelLossConfig,
     KernelTuning,
@@ -19,8 +21,6 @@ from rollart_hpc.kernels import (
     fused_policy_loss,
     linear_logprob,
 )
-
-from rollart_hpc.algo.loss import LossConfig, broadcast_to_tokens, packed_policy_loss
 
 IMPLS = ("triton", "torch")
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Real-size checks of the fused LM-head log-prob + SPO++ loss on one H100/H200 (compiled Triton, no interpreter).
-# Usage: kernels/gpu_check.sh [OUT_DIR]   (default ./kernel_gpu_check); run from anywhere inside the repo.
+# Usage: scripts/kernel_gpu_check.sh [OUT_DIR]   (default ./kernel_gpu_check); run from anywhere inside the repo.
 # Writes OUT_DIR/bench_kernel.json (T=32768, H=4096, V=151936, bf16: fused vs eager, bf16 matmul peak)
 # and OUT_DIR/pytest_gpu.txt (the gpu-marked parity/memory tests). Exits non-zero if either fails.
 set -euo pipefail

@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
+
 from rollart_hpc.kernels.common import KernelLossConfig, KernelTuning, LossInputs, TokenForward
 from rollart_hpc.kernels.token_loss import LossDiagnostics, TokenTerms, reduce_token_terms
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
 from rollart_hpc.kernels.common import KernelLossConfig
 
 # LossDiagnostics fields that add up over micro-batches and ranks to the step's global token means.

@@ -24,6 +24,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+
 from rollart_hpc.kernels.common import (
     KernelLossConfig,
     KernelTuning,

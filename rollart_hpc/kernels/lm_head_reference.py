@@ -13,6 +13,7 @@ and, in float64, as the ground truth of the parity tests.
 from __future__ import annotations
 
 import torch
+
 from rollart_hpc.kernels.common import (
     KernelLossConfig,
     KernelTuning,
