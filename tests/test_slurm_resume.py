@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -73,6 +74,12 @@ def _submit(repo_root: Path, run_dir: Path, overrides: list[str]) -> dict[str, A
 def _log(record: dict[str, Any]) -> str:
     path = Path(str(record["logs"][0]))
     return path.read_text() if path.exists() else ""
+
+
+def _restarts(run_dir: Path) -> list[dict[str, Any]]:
+    """The restarts the run recorded (`restarts.jsonl`), none if it never restarted."""
+    path = run_dir / "restarts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _wait_for(what: str, predicate: Any, record: dict[str, Any], timeout_s: float) -> None:
@@ -260,7 +267,17 @@ def test_preempted_submitit_job_requeues_from_rank_0_and_finishes(repo_root: Pat
         _cancel(job_id)
     log = _log(record)
     assert _states(job_id) == ["COMPLETED"], log[-4000:]
-    assert f"the run stopped at a checkpoint: requeue job {job_id} (restart 1 of 2)" in log
+    preempted = re.search(
+        rf"the run stopped at a checkpoint: requeue job {job_id} \(restart (\d) of 2\)", log
+    )
+    assert preempted, log[-4000:]
+    # A rank of this two-"node" world on one host can, rarely, crash while the world starts (seen once: a
+    # segfault before the rank's first line). The restart path restarts it like any failure and counts it
+    # against the same limit, so the preemption's requeue is numbered among those restarts.
+    crashes = _restarts(run_dir)
+    assert all(r["cause"] for r in crashes), crashes
+    numbers = sorted([int(preempted.group(1)), *(r["restart"] for r in crashes)])
+    assert numbers == list(range(1, len(crashes) + 2)), (numbers, crashes)
     assert f"resumed from {run_dir / 'checkpoints'}" in log
     job: submitit.SlurmJob[int] = submitit.SlurmJob(
         folder=run_dir / "submitit", job_id=job_id, tasks=range(6)
@@ -302,7 +319,10 @@ def test_killed_rank_of_a_submitit_job_is_requeued_and_finishes(repo_root: Path,
         _cancel(job_id)
     log = _log(record)
     assert _states(job_id) == ["COMPLETED"], log[-4000:]
-    restarts = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
-    assert len(restarts) == 1 and restarts[0]["step"] >= 1, restarts
-    assert "[slurm] restart 1/2 from step" in log, log[-4000:]
+    # Besides the killed rank's restart (after a checkpoint), at most a crash while the world started
+    # (step 0; see the preemption test above).
+    restarts = _restarts(run_dir)
+    killed = [r for r in restarts if r["step"] >= 1]
+    assert len(killed) == 1 and len(restarts) <= 2 and all(r["cause"] for r in restarts), restarts
+    assert f"[slurm] restart {killed[0]['restart']}/2 from step" in log, log[-4000:]
     _assert_complete_once(run_dir, num_steps)
