@@ -206,6 +206,23 @@ class TrainingConfig:
         True, "Shard the Adam states over the data-parallel ranks (Megatron's distributed optimizer)."
     )
     overlap_grad_reduce: bool = doc_field(True, "Reduce gradient buckets while backward runs (Megatron DDP).")
+    precision: Literal["fp32", "bf16"] = doc_field(
+        "fp32",
+        "Training precision: 'bf16' = bf16 parameters and compute with fp32 main parameters, gradients and "
+        "Adam states in Megatron's optimizer (weights published and loaded in bf16, half the bytes); "
+        "'fp32' = fp32 throughout (TF32 matmuls on CUDA).",
+    )
+    attention: Literal["sdpa", "unfused"] = doc_field(
+        "sdpa",
+        "Core attention of the trainer's layers: 'sdpa' = torch scaled_dot_product_attention (flash / "
+        "memory-efficient kernels on CUDA, flash-attn's varlen kernel when installed; never [s, s] fp32 "
+        "scores kept for backward on GPU); 'unfused' = Megatron's local DotProductAttention.",
+    )
+    recompute: Literal["none", "selective", "full"] = doc_field(
+        "none",
+        "Activation recomputation (Megatron): 'selective' recomputes the core attention in backward, 'full' "
+        "every transformer layer's forward (uniform, one layer per checkpoint); 'none' keeps activations.",
+    )
 
     def validate(self, path: str) -> None:
         if self.lr <= 0 or self.sft_lr <= 0 or self.micro_batch_tokens < 64 or self.sft_steps < 0:

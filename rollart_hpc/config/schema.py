@@ -157,6 +157,27 @@ class PolicyModelConfig:
 
 
 @dataclass(frozen=True)
+class VllmConfig:
+    """The [rollout.vllm] table: what a vLLM rollout engine is built with (rollout.engine = 'vllm')."""
+
+    gpu_memory_utilization: float = doc_field(
+        0.85,
+        "Fraction of its GPU's memory the engine may take (weights, activations, KV cache); the weight "
+        "update's staging buckets must fit in the rest.",
+    )
+    dtype: Literal["auto", "bfloat16", "float32"] = doc_field(
+        "auto", "Weights and compute dtype of the engine; 'auto' = the trainer's precision (bf16 or fp32)."
+    )
+    enforce_eager: bool = doc_field(False, "No CUDA graphs (slower decode, less memory, faster start).")
+
+    def validate(self, path: str) -> None:
+        if not 0.05 <= self.gpu_memory_utilization <= 0.98:
+            raise UsageError(
+                f"{path}.gpu_memory_utilization: must lie in [0.05, 0.98], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     engine: Literal["builtin", "vllm"] = doc_field(
         "builtin",
@@ -174,6 +195,7 @@ class RolloutConfig:
     top_k: int = doc_field(0, "Top-k sampling (0 = off).")
     max_new_tokens: int = doc_field(32, "Longest generation of one agent turn.")
     num_threads: int = doc_field(1, "torch threads of a rollout rank.")
+    vllm: VllmConfig = doc_field(VllmConfig, "vLLM engine settings (rollout.engine = 'vllm').")
     batch_invariant: bool = doc_field(
         False,
         "Built-in engine only: every request's forward pass runs alone, so its tokens and log-probs do not "
