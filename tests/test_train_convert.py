@@ -101,7 +101,10 @@ def one_rank_group() -> Iterator[None]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port
+    # One rank, no port. NCCL where the trainer runs on CUDA: Megatron's distributed optimizer gathers its
+    # parameters with a coalesced all-gather that gloo does not implement for CUDA tensors (a segfault).
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     yield
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

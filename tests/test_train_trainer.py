@@ -22,7 +22,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
     from rollart_hpc.models.tiny import make_tiny_model
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port
+    # One rank, no port. NCCL where the trainer runs on CUDA: Megatron's distributed optimizer gathers its
+    # parameters with a coalesced all-gather that gloo does not implement for CUDA tensors (a segfault).
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     folder = make_tiny_model(
         tmp_path_factory.mktemp("tiny") / "llama", family="llama", hidden_size=128, num_layers=2,
         num_heads=2, num_kv_heads=1, tie_word_embeddings=True,
