@@ -7,6 +7,7 @@ Only the controller writes these; readers (`launch.py report`, people) may read 
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -94,7 +95,7 @@ def eval_line(row: Mapping[str, Any]) -> str:
 def summary_table(summary: Mapping[str, Any], console: Console | None = None) -> str:
     """Render the end-of-run summary (success per family, the last evaluation round, trajectories by
     status, staleness, time split, failures and rebuilds per rollout and reward rank)."""
-    console = console or Console(record=True, width=100)
+    console = console or Console(record=True, width=100, file=io.StringIO())  # rendered, not printed
     table = Table(title="run summary", show_header=True)
     table.add_column("what")
     table.add_column("value", justify="right")

@@ -200,6 +200,13 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
         "ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*"
     )
     warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+    # Megatron 0.16 still calls the collectives torch 2.13 renamed (`*_single`); the calls work as before.
+    warnings.filterwarnings(
+        "ignore",
+        message=".*(all_gather_into_tensor|reduce_scatter_tensor|_all_gather_base|_reduce_scatter_base)"
+        ".* is (deprecated|a private function).*",
+        category=FutureWarning,
+    )
     from rollart_hpc.weights.transport import GroupWeightSender, announce_to, join_run_weight_group  # torch
 
     group = join_run_weight_group(ctx)  # first of all, as the rollout ranks do (None off the first trainer)
