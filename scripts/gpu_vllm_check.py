@@ -171,7 +171,7 @@ def trainer(world: Any, args: argparse.Namespace, backend: str, model_dir: Path)
 
 
 def start_engine(model_dir: Path, args: argparse.Namespace, has_tokenizer: bool, share: float) -> Any:
-    from rollart_hpc.rollout.vllm_engine import VLLMEngine
+    from rollart_hpc.inference.vllm_engine import VLLMEngine
 
     extra = {"gpu_memory_utilization": share, "skip_tokenizer_init": not has_tokenizer}
     return VLLMEngine(
@@ -186,7 +186,7 @@ def start_engine(model_dir: Path, args: argparse.Namespace, has_tokenizer: bool,
 
 
 def rollout(world: Any, args: argparse.Namespace, backend: str, model_dir: Path) -> dict[str, Any]:
-    from rollart_hpc.rollout.types import SamplingParams
+    from rollart_hpc.contracts.generation import SamplingParams
     from rollart_hpc.weights.group import make_standalone_group
     from rollart_hpc.weights.publisher import WeightReceiver
 
@@ -224,7 +224,7 @@ def update_in_flight(
     world: Any, engine: Any, receiver: Any, batch: list[list[int]], max_tokens: int
 ) -> dict[str, Any]:
     """Receive and load version 1 while long requests run; report timings and their version spans."""
-    from rollart_hpc.rollout.types import SamplingParams
+    from rollart_hpc.contracts.generation import SamplingParams
 
     long = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for i, p in enumerate(batch[:16]):

@@ -1,4 +1,4 @@
-"""The engine contract (`rollart_hpc.rollout.api.Engine`) as plain check functions, run against every engine.
+"""The engine contract (`rollart_hpc.inference.api.Engine`) as plain check functions, run against every engine.
 
 tests/test_engine_contract.py runs them for the built-in engine, tests/test_vllm_engine_contract.py for
 vLLM. Each check takes the engine under test (built by the caller, so one slow-starting engine can
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
+from rollart_hpc.inference.api import Engine
 from rollart_hpc.models.checkpoint import load_weights
-from rollart_hpc.rollout.api import Engine
-from rollart_hpc.rollout.types import RequestOutput, SamplingParams
 
 # (model_dir, version) -> an engine holding that model at that version
 EngineFactory = Callable[[Path, int], Engine]

@@ -18,6 +18,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "rollart_hpc"
+# The layers. Roles are what a rank runs; they stand side by side and talk only through `contracts` (the
+# wire payloads of every tag), so no role imports another. Libraries sit below the roles and import none of
+# them. The top layer (commands, benchmarks, the simulator) may import anything.
+ROLES = ("controller", "envs", "rollout", "reward", "train")
+LIBRARIES = (
+    "contracts", "config", "kernels", "algo", "tasks", "inference", "routing", "models", "weights", "store",
+    "metrics", "cluster",
+)  # fmt: skip
+TOP = ("entry", "bench", "sim")
+# Units that must stay free of MPI and torch.distributed (pure logic, testable without a world).
+NO_DISTRIBUTED = ("algo", "config")
 # Folder -> the package name it is installed as.
 ROOTS = {REPO / "rollart_hpc": PACKAGE}
 
@@ -91,7 +102,7 @@ def import_edges(modules: dict[str, Path]) -> list[Edge]:
 
 
 def unit(module: str) -> str:
-    """`rollart_hpc.envs.families.household` -> `envs`; `rollart_hpc.rl_common` -> `rl_common`."""
+    """`rollart_hpc.tasks.families.household` -> `tasks`; `rollart_hpc.rl_common` -> `rl_common`."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -154,6 +165,47 @@ def _outside(graph: dict[str, dict[str, list[Edge]]], name: str, allowed: set[st
     return [str(e) for b, es in sorted(graph.get(name, {}).items()) if b not in allowed for e in es]
 
 
+def layer_violations(graph: dict[str, dict[str, list[Edge]]]) -> list[str]:
+    """Imports that break the layers: a role importing another role, a library importing a role or the top."""
+    bad = []
+    for a, targets in sorted(graph.items()):
+        for b, edges in sorted(targets.items()):
+            if a in ROLES and b in ROLES:
+                bad.append(f"role {a} imports role {b}: {edges[0]}")
+            elif a in LIBRARIES and b in (*ROLES, *TOP):
+                bad.append(
+                    f"library {a} imports {'role' if b in ROLES else 'top-layer unit'} {b}: {edges[0]}"
+                )
+    return bad
+
+
+def external_imports(unit_name: str, prefixes: tuple[str, ...]) -> list[str]:
+    """`path:line imports X` for every import in `unit_name` of a module named by one of `prefixes`."""
+    found = []
+    modules = package_modules()
+    for module, path in modules.items():
+        if unit(module) != unit_name:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, target in _imported(module, path, tree, set(modules)):
+            if any(target == p or target.startswith(p + ".") for p in prefixes):
+                found.append(f"{path.relative_to(REPO)}:{line} imports {target}")
+            elif target == "torch" and _imports_distributed_from_torch(tree, line):
+                found.append(f"{path.relative_to(REPO)}:{line} imports torch.distributed")
+    return found
+
+
+def _imports_distributed_from_torch(tree: ast.AST, line: int) -> bool:
+    """`from torch import distributed` at `line`."""
+    return any(
+        isinstance(node, ast.ImportFrom)
+        and node.lineno == line
+        and node.module == "torch"
+        and any(alias.name == "distributed" for alias in node.names)
+        for node in ast.walk(tree)
+    )
+
+
 # ---- the checks of the reader itself --------------------------------------------------------------------
 def test_reader_resolves_relative_function_level_and_dynamic_imports():
     source = (
@@ -192,6 +244,19 @@ def test_reader_finds_cycles_and_names_them():
     )
 
 
+def test_layer_check_names_a_role_importing_a_role():
+    edges = [
+        Edge(REPO / "a.py", 7, "rollart_hpc.envs.main", "rollart_hpc.rollout.main"),
+        Edge(REPO / "b.py", 3, "rollart_hpc.tasks.build", "rollart_hpc.controller.core"),
+        Edge(REPO / "c.py", 5, "rollart_hpc.envs.main", "rollart_hpc.tasks.build"),
+        Edge(REPO / "d.py", 9, "rollart_hpc.entry.cli", "rollart_hpc.train.main"),
+    ]
+    assert layer_violations(unit_graph(edges)) == [
+        "role envs imports role rollout: a.py:7 imports rollart_hpc.rollout.main",
+        "library tasks imports role controller: b.py:3 imports rollart_hpc.controller.core",
+    ]
+
+
 def test_kernels_live_inside_the_package():
     # A top-level `kernels/` folder would shadow the `kernels` distribution that transformers imports
     # whenever the repository root is on sys.path (pytest, `python launch.py`).
@@ -206,6 +271,30 @@ def test_no_import_cycle_between_units():
     graph = _graph()
     cycles = find_cycles(graph)
     assert not cycles, "\n".join(describe_cycle(graph, c) for c in cycles)
+
+
+def test_every_unit_has_a_declared_layer():
+    units = {unit(m) for m in package_modules()} - {PACKAGE}
+    undeclared = sorted(units - {*ROLES, *LIBRARIES, *TOP})
+    assert not undeclared, f"declare each unit as a role, a library or the top layer: {undeclared}"
+
+
+def test_roles_are_peers_and_libraries_import_no_role():
+    bad = layer_violations(_graph())
+    assert not bad, "the layers are roles side by side over libraries:\n" + "\n".join(bad)
+
+
+def test_rollout_and_train_never_import_each_other():
+    graph = _graph()
+    bad = [
+        str(e) for a, b in (("rollout", "train"), ("train", "rollout")) for e in graph.get(a, {}).get(b, [])
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_algo_and_config_use_no_mpi_or_torch_distributed():
+    bad = [hit for name in NO_DISTRIBUTED for hit in external_imports(name, ("mpi4py", "torch.distributed"))]
+    assert not bad, "algo and config stay free of MPI and torch.distributed:\n" + "\n".join(bad)
 
 
 def test_contracts_import_no_other_unit():

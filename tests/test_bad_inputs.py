@@ -14,9 +14,9 @@ import pytest
 from rollart_hpc.config import load_config, write_resolved
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.controller import checkpoint as ckpt
-from rollart_hpc.envs.families.household_data import load_manifest
 from rollart_hpc.models.validate import check_model_dir
 from rollart_hpc.store.trajectories import StorePosition, TrajectoryStore, check_resumable
+from rollart_hpc.tasks.families.household_data import load_manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_store_trajectories import make_traj  # noqa: E402

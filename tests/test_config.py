@@ -162,8 +162,8 @@ def test_calc_max_ops_out_of_range_is_refused_with_the_config_path(ops):
 
 
 def test_registries_hold_one_entry_per_family_name():
-    from rollart_hpc.envs.registry import FAMILIES
     from rollart_hpc.reward.functions import REWARD_FNS
+    from rollart_hpc.tasks.registry import FAMILIES
 
     assert sorted(FAMILIES) == sorted(FAMILY_NAMES)
     assert sorted(REWARD_FNS) == sorted(FAMILY_NAMES)

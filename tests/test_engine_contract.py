@@ -7,10 +7,10 @@ from pathlib import Path
 import engine_contract as contract
 import pytest
 
+from rollart_hpc.inference.api import Engine
+from rollart_hpc.inference.engine import LLMEngine
 from rollart_hpc.models.config import load_config
 from rollart_hpc.models.tiny import make_tiny_model
-from rollart_hpc.rollout.api import Engine
-from rollart_hpc.rollout.engine import LLMEngine
 
 METHODS = ("add_request", "abort", "step", "has_unfinished", "has_staged_weights", "update_weights", "close")
 SMALL = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 256}
@@ -59,9 +59,9 @@ def test_close_is_idempotent(dirs: list[Path]) -> None:
 
 
 def test_both_engines_satisfy_the_protocol_statically() -> None:
-    """Runtime half of the static check (mypy checks `rollart_hpc.rollout.engines` returns an Engine)."""
-    from rollart_hpc.rollout.engines import ENGINES
-    from rollart_hpc.rollout.vllm_engine import VLLMEngine
+    """Runtime half of the static check (mypy checks `rollart_hpc.inference.engines` returns an Engine)."""
+    from rollart_hpc.inference.engines import ENGINES
+    from rollart_hpc.inference.vllm_engine import VLLMEngine
 
     assert set(ENGINES) == {"builtin", "vllm"}
     for cls in (LLMEngine, VLLMEngine):

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollart_hpc.contracts.generation import LLMClient, RequestOutput, SamplingParams
+from rollart_hpc.inference.async_engine import AsyncEngine
+from rollart_hpc.inference.engine import LLMEngine
 from rollart_hpc.models.checkpoint import load_weights
 from rollart_hpc.models.config import load_config
 from rollart_hpc.models.tiny import make_tiny_model
-from rollart_hpc.rollout.async_engine import AsyncEngine
-from rollart_hpc.rollout.engine import LLMEngine
-from rollart_hpc.rollout.types import LLMClient, RequestOutput, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 SMALL = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 256}

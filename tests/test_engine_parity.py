@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
+from rollart_hpc.inference.decoder import Decoder, Segment, SlotKVCache
+from rollart_hpc.inference.engine import LLMEngine
+from rollart_hpc.inference.packed import pack_weights
 from rollart_hpc.models.checkpoint import load_weights
 from rollart_hpc.models.config import load_config
 from rollart_hpc.models.tiny import make_tiny_model
-from rollart_hpc.rollout.decoder import Decoder, Segment, SlotKVCache
-from rollart_hpc.rollout.engine import LLMEngine
-from rollart_hpc.rollout.packed import pack_weights
-from rollart_hpc.rollout.types import RequestOutput, SamplingParams
 
 FAMILIES = ("llama", "qwen2")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)

@@ -13,11 +13,11 @@ from engine_contract import drain
 from rollart_hpc.config.loader import build
 from rollart_hpc.config.schema import RolloutConfig
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
+from rollart_hpc.inference.engine import LLMEngine
 from rollart_hpc.models.checkpoint import load_weights
 from rollart_hpc.models.tiny import make_tiny_model
-from rollart_hpc.rollout.engine import LLMEngine
 from rollart_hpc.rollout.resilient import EngineFailedError, FaultInjector, ResilientEngine
-from rollart_hpc.rollout.types import RequestOutput, SamplingParams
 
 SAMPLING = SamplingParams(max_tokens=4)
 

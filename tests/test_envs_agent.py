@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
+from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
 from rollart_hpc.contracts.records import Trajectory
-from rollart_hpc.envs.agent_loop import AgentConfig, new_trajectory, run_episode
-from rollart_hpc.envs.chat import ChatTokens
-from rollart_hpc.envs.demos import LocalAsyncEnv, ScriptedClient, demonstration_trajectory
-from rollart_hpc.envs.families import calc_math
-from rollart_hpc.envs.registry import make_family
-from rollart_hpc.rollout.types import RequestOutput, SamplingParams
+from rollart_hpc.tasks.agent_loop import AgentConfig, new_trajectory, run_episode
+from rollart_hpc.tasks.chat import ChatTokens
+from rollart_hpc.tasks.demos import LocalAsyncEnv, ScriptedClient, demonstration_trajectory
+from rollart_hpc.tasks.families import calc_math
+from rollart_hpc.tasks.registry import make_family
 
 
 @pytest.fixture(scope="module")

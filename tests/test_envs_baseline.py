@@ -13,9 +13,9 @@ import pytest
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.envs.baseline import Explorer, listed_actions, make_policy, parse_objective, play
 from rollart_hpc.envs.cli import add_arguments, baseline_settings, main
-from rollart_hpc.envs.families.household import HouseholdFamily
-from rollart_hpc.envs.families.household_data import data_dir, is_ready, prepare
-from rollart_hpc.envs.types import Task
+from rollart_hpc.tasks.families.household import HouseholdFamily
+from rollart_hpc.tasks.families.household_data import data_dir, is_ready, prepare
+from rollart_hpc.tasks.types import Task
 
 BEDROOM = """-= Bedroom =-
 There is a closed wardrobe here. The bed holds a book.

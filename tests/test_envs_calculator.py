@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from rollart_hpc.envs.families.calc_math import CalcMathEnv, task_id
-from rollart_hpc.envs.families.calculator import CalcError, CalcLimits, evaluate, format_number
+from rollart_hpc.tasks.families.calc_math import CalcMathEnv, task_id
+from rollart_hpc.tasks.families.calculator import CalcError, CalcLimits, evaluate, format_number
 
 HOSTILE = [
     "__import__('os').system('touch /tmp/rollart_pwned')",

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from rollart_hpc.envs.cli import sample
-from rollart_hpc.envs.demos import demonstration_messages, run_oracle
-from rollart_hpc.envs.families import calc_math, frozenlake, household
-from rollart_hpc.envs.families.household_data import data_dir, is_ready, load_manifest, prepare
-from rollart_hpc.envs.registry import FAMILIES, FamilySpec, family_of, make_family
+from rollart_hpc.tasks.demos import demonstration_messages, run_oracle
+from rollart_hpc.tasks.families import calc_math, frozenlake, household
+from rollart_hpc.tasks.families.household_data import data_dir, is_ready, load_manifest, prepare
+from rollart_hpc.tasks.registry import FAMILIES, FamilySpec, family_of, make_family
 
 
 @pytest.fixture(scope="session")
@@ -153,7 +153,7 @@ def test_household_generation_is_byte_identical(household_root: Path, tmp_path: 
     import sys
 
     env = dict(os.environ, PYTHONHASHSEED="0", TMPDIR=str(tmp_path))
-    cmd = [sys.executable, "-m", "rollart_hpc.envs.families.household_gen", str(tmp_path / "g"), "1", "2"]
+    cmd = [sys.executable, "-m", "rollart_hpc.tasks.families.household_gen", str(tmp_path / "g"), "1", "2"]
     subprocess.run(cmd, env=env, check=True, timeout=120)
     digest = hashlib.sha256((tmp_path / "g" / "game_001.z8").read_bytes()).hexdigest()
     assert digest == load_manifest(household_root)[1]["sha256"]

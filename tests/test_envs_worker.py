@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from rollart_hpc.envs.agent_loop import AgentConfig
-from rollart_hpc.envs.chat import ChatTokens
+from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
 from rollart_hpc.envs.faults import FaultConfig, LatencyConfig, expected_cause, plan_step
-from rollart_hpc.envs.registry import make_family
-from rollart_hpc.envs.types import Task
 from rollart_hpc.envs.worker import EnvWorker, EnvWorkerConfig
-from rollart_hpc.rollout.types import RequestOutput, SamplingParams
+from rollart_hpc.tasks.agent_loop import AgentConfig
+from rollart_hpc.tasks.chat import ChatTokens
+from rollart_hpc.tasks.registry import make_family
+from rollart_hpc.tasks.types import Task
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_env_exception_becomes_error_and_child_is_reused(tokenizer: Any) -> None
 
 
 def test_household_episodes_in_children(tokenizer: Any) -> None:
-    from rollart_hpc.envs.families.household_data import is_ready, prepare
+    from rollart_hpc.tasks.families.household_data import is_ready, prepare
 
     if not is_ready():
         prepare(num_procs=2)

@@ -18,15 +18,15 @@ from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.controller.evaluation import Evaluator, plan_items
-from rollart_hpc.envs.build import heldout_tasks, run_tasks
-from rollart_hpc.envs.episodes import (
+from rollart_hpc.tasks.build import heldout_tasks, run_tasks
+from rollart_hpc.tasks.episodes import (
     eval_episode_id,
     eval_round_of,
     is_eval_episode,
     is_greedy_episode,
     seed_key,
 )
-from rollart_hpc.envs.types import Task
+from rollart_hpc.tasks.types import Task
 
 
 def task(tid: str) -> Task:
@@ -233,10 +233,10 @@ def test_sync_mode_evaluates_between_steps(tmp_path):
 
 # ---- greedy turns ---------------------------------------------------------------------------------
 def test_greedy_agent_samples_at_temperature_zero():
-    from rollart_hpc.envs.agent_loop import AgentConfig
+    from rollart_hpc.contracts.generation import RequestOutput
     from rollart_hpc.envs.worker import EnvWorker, EnvWorkerConfig
     from rollart_hpc.models.tiny import make_tiny_tokenizer
-    from rollart_hpc.rollout.types import RequestOutput
+    from rollart_hpc.tasks.agent_loop import AgentConfig
 
     class Recorder:
         def __init__(self) -> None:
@@ -265,7 +265,7 @@ def test_greedy_agent_samples_at_temperature_zero():
 
 # ---- held-out split and config --------------------------------------------------------------------
 def test_calc_heldout_is_disjoint_from_training_by_id_and_text():
-    from rollart_hpc.envs.families.calc_math import CalcMathFamily, generate_problem, parse_task_id
+    from rollart_hpc.tasks.families.calc_math import CalcMathFamily, generate_problem, parse_task_id
 
     envs = build(Config, {"envs": {"families": ["calc_math"], "calc_max_ops": 3}}).envs
     train, held = run_tasks(envs), heldout_tasks(envs)
@@ -279,7 +279,7 @@ def test_calc_heldout_is_disjoint_from_training_by_id_and_text():
 
 
 def test_household_heldout_games_are_new_games():
-    from rollart_hpc.envs.families.household_data import is_ready, load_manifest, prepare
+    from rollart_hpc.tasks.families.household_data import is_ready, load_manifest, prepare
 
     if not (is_ready() and is_ready(heldout=True)):
         prepare(num_procs=2)

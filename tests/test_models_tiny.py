@@ -161,8 +161,8 @@ def test_smollm2_import_answers_a_chat_prompt(tmp_path: Path) -> None:
     pytest.importorskip("gguf")
     if importlib.util.find_spec(smollm2.PACKAGE) is None:
         pytest.skip(f"needs `{smollm2.INSTALL_HINT}`")
-    from rollart_hpc.rollout.engine import LLMEngine
-    from rollart_hpc.rollout.types import SamplingParams
+    from rollart_hpc.contracts.generation import SamplingParams
+    from rollart_hpc.inference.engine import LLMEngine
 
     out = smollm2.import_smollm2(tmp_path / "smollm2")
     config = load_config(out)

@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
+from rollart_hpc.inference.engine import LLMEngine
+from rollart_hpc.inference.prefix_cache import PrefixIndex
 from rollart_hpc.models.checkpoint import load_weights
 from rollart_hpc.models.config import load_config
 from rollart_hpc.models.tiny import make_tiny_model
-from rollart_hpc.rollout.engine import LLMEngine
-from rollart_hpc.rollout.prefix_cache import PrefixIndex
-from rollart_hpc.rollout.types import RequestOutput, SamplingParams
 
 SMALL = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 256}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

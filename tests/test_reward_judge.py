@@ -15,13 +15,13 @@ from reward_running import running_service
 from rollart_hpc.config import load_config
 from rollart_hpc.config.schema import RewardConfig
 from rollart_hpc.contracts.errors import UsageError
-from rollart_hpc.envs.families.calc_math import generate_problem
+from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
 from rollart_hpc.reward import service as service_mod
 from rollart_hpc.reward.client import ServiceClient
 from rollart_hpc.reward.functions import RewardInput
 from rollart_hpc.reward.judge import Judge, judge_prompt, parse_score
 from rollart_hpc.reward.wire import input_to_dict
-from rollart_hpc.rollout.types import RequestOutput, SamplingParams
+from rollart_hpc.tasks.families.calc_math import generate_problem
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,10 +8,10 @@ import threading
 import pytest
 
 from rollart_hpc.contracts.records import Trajectory
-from rollart_hpc.envs.families.calc_math import generate_problem
 from rollart_hpc.reward import functions
 from rollart_hpc.reward.functions import REWARD_FNS, RewardInput, RewardOutput, reward_fn
 from rollart_hpc.reward.pool import RewardPool, RewardPoolConfig
+from rollart_hpc.tasks.families.calc_math import generate_problem
 
 
 def _traj(task_id: str, actions: list[str], won: bool = False, status: str = "ok") -> Trajectory:

@@ -26,12 +26,12 @@ from rollart_hpc.config import load_config
 from rollart_hpc.config.schema import RewardConfig
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.records import Trajectory
-from rollart_hpc.envs.families.calc_math import generate_problem
 from rollart_hpc.reward.client import ServiceClient, request_id
 from rollart_hpc.reward.functions import REWARD_FNS, RewardInput, RewardOutput
 from rollart_hpc.reward.pool import RewardPool, RewardPoolConfig
 from rollart_hpc.reward.scheduler import FairScheduler
 from rollart_hpc.reward.wire import ADDRESS_FILE, TOKEN_FILE, encode, input_to_dict
+from rollart_hpc.tasks.families.calc_math import generate_problem
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -29,12 +29,12 @@ from rollart_hpc.cluster.sbatch import ServiceJob, render_service_job
 from rollart_hpc.config.schema import RewardConfig
 from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.entry import reward_service
-from rollart_hpc.envs.families.calc_math import generate_problem
 from rollart_hpc.reward import ondemand
 from rollart_hpc.reward.client import ServiceClient
 from rollart_hpc.reward.functions import REWARD_FNS, RewardInput, RewardOutput
 from rollart_hpc.reward.service import RewardService
 from rollart_hpc.reward.wire import ADDRESS_FILE
+from rollart_hpc.tasks.families.calc_math import generate_problem
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"

@@ -14,9 +14,9 @@ from rollart_hpc.config import load_config
 from rollart_hpc.config.routing import RoutingConfig
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.records import RankLoad
-from rollart_hpc.rollout.affinity import FamilyWork, PoolCost, best_shares, decide, makespan, pool_cost
 from rollart_hpc.rollout.costs import CostProfile, StepMeter
-from rollart_hpc.rollout.routing import PoolSpec, Router, rollout_index
+from rollart_hpc.routing.affinity import FamilyWork, PoolCost, best_shares, decide, makespan, pool_cost
+from rollart_hpc.routing.router import PoolSpec, Router, rollout_index
 from tests.test_submit import _check_golden, _config_file, _render
 
 TWO_POOLS = """\

@@ -20,12 +20,12 @@ import torch
 
 pytest.importorskip("vllm")
 
+from rollart_hpc.contracts.generation import RequestOutput, SamplingParams  # noqa: E402
+from rollart_hpc.inference.engine import LLMEngine  # noqa: E402
+from rollart_hpc.inference.vllm_engine import VLLMEngine  # noqa: E402
 from rollart_hpc.models.checkpoint import load_weights  # noqa: E402
 from rollart_hpc.models.config import load_config  # noqa: E402
 from rollart_hpc.models.tiny import make_tiny_model  # noqa: E402
-from rollart_hpc.rollout.engine import LLMEngine  # noqa: E402
-from rollart_hpc.rollout.types import RequestOutput, SamplingParams  # noqa: E402
-from rollart_hpc.rollout.vllm_engine import VLLMEngine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MAX_LEN = 256

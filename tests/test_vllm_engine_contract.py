@@ -19,11 +19,11 @@ pytest.importorskip("vllm")
 
 import engine_contract as contract  # noqa: E402
 
+from rollart_hpc.inference.api import Engine  # noqa: E402
+from rollart_hpc.inference.engine import LLMEngine  # noqa: E402
+from rollart_hpc.inference.vllm_engine import VLLMEngine  # noqa: E402
 from rollart_hpc.models.config import load_config  # noqa: E402
 from rollart_hpc.models.tiny import make_tiny_model  # noqa: E402
-from rollart_hpc.rollout.api import Engine  # noqa: E402
-from rollart_hpc.rollout.engine import LLMEngine  # noqa: E402
-from rollart_hpc.rollout.vllm_engine import VLLMEngine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MAX_LEN = 256

@@ -11,9 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from rollart_hpc.rollout.vllm_engine import VLLMEngineError, sampled_logprobs, span_versions
-from rollart_hpc.rollout.vllm_staging import StagingBuffer, open_staging, single_bucket_layout, staged_tensors
-from rollart_hpc.rollout.vllm_worker import RollartWorkerExtension
+from rollart_hpc.inference.vllm_engine import VLLMEngineError, sampled_logprobs, span_versions
+from rollart_hpc.inference.vllm_staging import (
+    StagingBuffer,
+    open_staging,
+    single_bucket_layout,
+    staged_tensors,
+)
+from rollart_hpc.inference.vllm_worker import RollartWorkerExtension
 
 
 def _named(seed: int) -> dict[str, torch.Tensor]:

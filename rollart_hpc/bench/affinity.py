@@ -45,9 +45,9 @@ from typing import Any
 
 from rollart_hpc.cluster.mailbox import Message
 from rollart_hpc.config.routing import RoutingConfig
+from rollart_hpc.contracts.generation import SamplingParams
 from rollart_hpc.contracts.protocol import Tag
-from rollart_hpc.rollout.routing import PoolSpec, Router
-from rollart_hpc.rollout.types import SamplingParams
+from rollart_hpc.routing.router import PoolSpec, Router
 
 DRIVER = 0  # the env side's rank on the in-process bus
 POLICIES = ("hash", "static", "adaptive", "adaptive_cold")
@@ -121,8 +121,8 @@ def pool_settings(slow: float, slots: int) -> dict[str, dict[str, Any]]:
 
 def start_rollouts(model_dir: Path, pools: dict[str, dict[str, Any]], bus: _Bus, run_dir: Path) -> list[Any]:
     """One rollout thread per pool: the real rank loop over a fresh built-in engine."""
+    from rollart_hpc.inference.engine import LLMEngine
     from rollart_hpc.rollout.costs import CostProfile, StepMeter
-    from rollart_hpc.rollout.engine import LLMEngine
     from rollart_hpc.rollout.main import serve
 
     threads = []

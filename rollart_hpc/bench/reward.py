@@ -48,9 +48,9 @@ Arrival = tuple[float, int, str, dict[str, Any]]  # (time, run, request id, inpu
 
 def schedule(args: argparse.Namespace) -> list[Arrival]:
     """Arrival times of every trajectory, sorted; run k's phases start at k * gap / runs + p * gap."""
-    from rollart_hpc.envs.families.calc_math import generate_problem
     from rollart_hpc.reward.functions import RewardInput
     from rollart_hpc.reward.wire import input_to_dict
+    from rollart_hpc.tasks.families.calc_math import generate_problem
 
     rng = random.Random(args.seed)
     out: list[Arrival] = []

@@ -28,7 +28,7 @@ def default_staleness(mode: str) -> int:
 
 FamilyName = Literal["household", "calc_math", "frozenlake"]
 FAMILY_NAMES: tuple[FamilyName, ...] = ("household", "calc_math", "frozenlake")
-"""Environment families; `rollart_hpc.envs.registry.FAMILIES` holds one constructor for each."""
+"""Environment families; `rollart_hpc.tasks.registry.FAMILIES` holds one constructor for each."""
 
 HOUSEHOLD_TYPES = ("put_in", "put_on", "two_obj", "open_then_put", "other_room", "cook")
 """Household quest types; game `i` of the canonical set has type `HOUSEHOLD_TYPES[i % 6]`."""

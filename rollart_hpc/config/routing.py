@@ -3,7 +3,7 @@
 Policies: 'hash' (a hash of the episode id over all rollout ranks, pools ignored: the single-pool
 behaviour), 'static' (a family-to-pool map, else the first pool sharing a task tag, else any pool),
 'adaptive' (starts from the static map and re-maps families to pools from measured prefill/decode costs,
-see `rollart_hpc.rollout.affinity`). Static and adaptive pick the least-loaded rank of the chosen pool and
+see `rollart_hpc.routing.affinity`). Static and adaptive pick the least-loaded rank of the chosen pool and
 fall back to another pool while every rank of it is saturated.
 """
 

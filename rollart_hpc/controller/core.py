@@ -46,6 +46,7 @@ from rollart_hpc.algo.tracker import EventTimeTracker, SPORho, SPOTracker, Value
 from rollart_hpc.config.choices import MODE_STALENESS, Mode
 from rollart_hpc.config.learning import AlgoConfig
 from rollart_hpc.config.schema import ControllerConfig
+from rollart_hpc.contracts.ids import EpisodeId
 from rollart_hpc.contracts.records import EpisodeTicket, Trajectory
 from rollart_hpc.controller.redundancy import CAUSE as REDUNDANT
 from rollart_hpc.controller.redundancy import Redundancy
@@ -251,7 +252,7 @@ class ControllerCore:
         frozen = self.tracker.dispatch(task_id)
         index = self.next_episode
         ticket = EpisodeTicket(
-            episode_id=f"ep{index:08d}",
+            episode_id=str(EpisodeId.train(index)),
             task_id=task_id,
             version=self.rollout_version,
             event=frozen.event,

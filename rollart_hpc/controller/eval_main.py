@@ -21,7 +21,7 @@ from rollart_hpc.controller.evaluation import Evaluator
 from rollart_hpc.controller.shutdown import shutdown
 from rollart_hpc.controller.startup import start_workers
 from rollart_hpc.controller.state import Controller
-from rollart_hpc.envs.build import heldout_tasks, run_tasks
+from rollart_hpc.tasks.build import heldout_tasks, run_tasks
 
 REQUEST = "eval_request.json"  # written by `launch.py eval`: run_dir, checkpoint, version
 RESULT = "eval.json"

@@ -4,7 +4,7 @@ Dataflow: `due(version)` says when a round should start (policy versions 0, k, 2
 `controller.eval_every_steps`, and once more at the end of a run); `start(version)` lays out the round's
 tickets: every training task `eval_samples` times (sampled with the run's settings) and once greedily
 when `eval_greedy`, then the held-out tasks the same way, in a fixed order with fixed seeds (ids from
-`envs.episodes`: the same (task, sample) is played with the same sampling noise in every round).
+`tasks.episodes`: the same (task, sample) is played with the same sampling noise in every round).
 `next_ticket()` hands them out one at a time (the controller sends them to env slots shared with training);
 `on_result(trajectory)` folds a finished one in and, when the round's last one is in, returns the round's
 metrics row (`kind = "eval"`, `step` and `version` = the version evaluated). In async and one_step_off
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart_hpc.contracts.records import EpisodeTicket, Trajectory
-from rollart_hpc.envs.episodes import eval_episode_id, eval_round_of
-from rollart_hpc.envs.types import Task
+from rollart_hpc.tasks.episodes import eval_episode_id, eval_round_of
+from rollart_hpc.tasks.types import Task
 
 SPLITS = ("eval", "heldout")  # training tasks, held-out tasks: metric prefixes eval_success, heldout_success
 

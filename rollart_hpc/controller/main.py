@@ -14,8 +14,8 @@ from rollart_hpc.controller import loop, recovery
 from rollart_hpc.controller.shutdown import shutdown
 from rollart_hpc.controller.startup import start_workers
 from rollart_hpc.controller.state import Controller
-from rollart_hpc.envs.build import run_tasks
 from rollart_hpc.metrics.run_metrics import summary_table
+from rollart_hpc.tasks.build import run_tasks
 
 
 def main(config: Config, ctx: RunContext, run_dir: Path) -> None:

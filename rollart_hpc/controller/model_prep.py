@@ -14,14 +14,14 @@ from pathlib import Path
 
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.errors import UsageError
-from rollart_hpc.envs.build import family_specs, run_tasks
-from rollart_hpc.envs.registry import Family
-from rollart_hpc.envs.types import Task
+from rollart_hpc.tasks.build import family_specs, run_tasks
+from rollart_hpc.tasks.registry import Family
+from rollart_hpc.tasks.types import Task
 
 
 def task_corpus(config: Config, families: dict[str, Family], tasks: list[Task]) -> Iterator[str]:
     """Texts the tokenizer is trained on: every task's system prompt and its oracle's whole chat."""
-    from rollart_hpc.envs.demos import demonstration_messages
+    from rollart_hpc.tasks.demos import demonstration_messages
 
     for task in tasks:
         for message in demonstration_messages(families[task.family], task.id):

@@ -25,11 +25,11 @@ from rollart_hpc.contracts.records import EpisodeTicket, RankStats, StepReport, 
 from rollart_hpc.controller.batching import batch_advantages, batch_stats, shard_batch
 from rollart_hpc.controller.core import ControllerCore
 from rollart_hpc.controller.evaluation import Evaluator
-from rollart_hpc.envs.build import heldout_tasks
-from rollart_hpc.envs.episodes import is_eval_episode
-from rollart_hpc.envs.types import Task
 from rollart_hpc.metrics.run_metrics import MetricsWriter, eval_line, progress_line
 from rollart_hpc.metrics.trace import TraceWriter
+from rollart_hpc.tasks.build import heldout_tasks
+from rollart_hpc.tasks.episodes import is_eval_episode
+from rollart_hpc.tasks.types import Task
 
 if TYPE_CHECKING:
     from rollart_hpc.store.trajectories import TrajectoryStore

@@ -77,7 +77,7 @@ def run_config(run_dir: Path) -> Any:
     if config.run.job != "rl":
         raise UsageError(f"only RL runs have checkpoints to evaluate; {run_dir} ran job {config.run.job!r}")
     if "household" in config.envs.families:
-        from rollart_hpc.envs.families.household_data import is_ready
+        from rollart_hpc.tasks.families.household_data import is_ready
 
         if not (is_ready() and is_ready(heldout=True)):
             raise UsageError(

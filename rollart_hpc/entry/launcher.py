@@ -81,7 +81,7 @@ def check_inputs(config: Config) -> None:
 
         check_model_dir(config.model.path)
     if config.run.job == "rl" and "household" in config.envs.families:
-        from rollart_hpc.envs.families.household_data import load_manifest
+        from rollart_hpc.tasks.families.household_data import load_manifest
 
         try:
             load_manifest()

@@ -1,10 +1,9 @@
-"""rollart_hpc.envs: multi-turn text environments, env workers and the agent loop.
+"""rollart_hpc.envs: the env role. Env ranks run many episodes at once, each env in a child process with time
+limits, and send every LLM turn to a rollout rank.
 
-- `types`: `Task`, `Env` (reset/step), `AsyncEnv`, `EnvError`, `Trajectory`.
-- `registry`: `FAMILIES` (household, calc_math, frozenlake), `make_family`, `FamilySpec`.
-- `agent_loop`: `AgentConfig`, `run_episode` (chat template, action mask, log-probs, versions).
-- `worker`: `EnvWorker`, `EnvWorkerConfig` (child processes, time limits); `faults`: `FaultConfig`.
-- `demos`: `run_oracle`, `demonstration_messages`, `demonstration_trajectory`, `ScriptedClient`.
-- `household_data`: the prepared game cache (`launch.py envs prepare`).
-Importing this package imports nothing heavy; TextWorld, gymnasium and transformers load on use.
+- `main`: the env rank (tickets from the controller, turns routed to rollout ranks, trajectories to reward ranks).
+- `worker`: `EnvWorker`, `EnvWorkerConfig` (child processes, time limits); `child`: the child process;
+  `faults`: `FaultConfig`.
+- `baseline`: scripted household policies (`launch.py envs baseline`); `cli`: `launch.py envs ...`.
+The tasks, env families and the agent loop they play are the library `rollart_hpc.tasks`.
 """

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rollart_hpc.envs.types import Task
+from rollart_hpc.tasks.types import Task
 
 OBJECTIVE = re.compile(r"put the (?P<obj>.+?) (?:in|on|into|onto) the (?P<target>.+?)\s*\.?\s*$")
 ACTIONS_PREFIX = "Actions: "

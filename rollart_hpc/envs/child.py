@@ -21,8 +21,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from rollart_hpc.envs.faults import FaultConfig, plan_step
-from rollart_hpc.envs.registry import FamilySpec
-from rollart_hpc.envs.types import Env
+from rollart_hpc.tasks.registry import FamilySpec
+from rollart_hpc.tasks.types import Env
 
 CRASH_EXIT_CODE = 70
 

@@ -57,8 +57,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _family(name: str):  # type: ignore[no-untyped-def]
-    from rollart_hpc.envs.families.household_data import is_ready
-    from rollart_hpc.envs.registry import FAMILIES, make_family
+    from rollart_hpc.tasks.families.household_data import is_ready
+    from rollart_hpc.tasks.registry import FAMILIES, make_family
 
     if name not in FAMILIES:
         raise UsageError(f"unknown env family {name!r}; known: {', '.join(sorted(FAMILIES))}")
@@ -68,7 +68,7 @@ def _family(name: str):  # type: ignore[no-untyped-def]
 
 
 def _prepare(force: bool, procs: int) -> int:
-    from rollart_hpc.envs.families.household_data import prepare
+    from rollart_hpc.tasks.families.household_data import prepare
 
     if procs < 1:
         raise UsageError(f"--procs must be >= 1, got {procs}")
@@ -84,7 +84,7 @@ def sample(ids: list[str], size: int = SAMPLE_SIZE) -> list[str]:
 
 
 def _check(name: str, every: bool) -> int:
-    from rollart_hpc.envs.demos import run_oracle
+    from rollart_hpc.tasks.demos import run_oracle
 
     family = _family(name)
     ids = [t.id for t in family.tasks()]
@@ -165,7 +165,7 @@ def _baseline(args: argparse.Namespace) -> int:
     import random
 
     from rollart_hpc.envs.baseline import make_policy, play
-    from rollart_hpc.envs.registry import make_family
+    from rollart_hpc.tasks.registry import make_family
 
     policies, slacks, types = baseline_settings(args)
     _family("household")  # a clear error when the games are not prepared

@@ -5,7 +5,7 @@ task, OUTPUT resolves the awaiting `generate`, STOP ends the run. Each episode r
 `EnvWorker` (env in a child process, time limits, fault isolation); a finished ok trajectory goes to a
 reward rank (round robin) for scoring, a failed one straight to the controller. On STOP, pending LLM
 requests are answered with finish reason "abort", so in-flight episodes end (failed, cause "abort") and
-are reported: the controller accounts for every ticket. Evaluation tickets (`envs.episodes`) run the
+are reported: the controller accounts for every ticket. Evaluation tickets (`tasks.episodes`) run the
 same way; a greedy one samples every turn at temperature 0, and an evaluation request's seed does not
 depend on the round, so rounds are comparable.
 """
@@ -25,16 +25,16 @@ from rollart_hpc.cluster.context import RunContext
 from rollart_hpc.cluster.mailbox import Mailbox
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.atomic import atomic_write_bytes
+from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
 from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.contracts.records import EpisodeTicket, RankStats, Ready, WorkerStart
-from rollart_hpc.envs.agent_loop import AgentConfig
-from rollart_hpc.envs.build import family_specs, playable_tasks
-from rollart_hpc.envs.episodes import is_greedy_episode, seed_key
-from rollart_hpc.envs.types import Task
 from rollart_hpc.envs.worker import EnvWorker, EnvWorkerConfig
 from rollart_hpc.metrics.timeline import Timeline
-from rollart_hpc.rollout.routing import PoolSpec, Router, episode_of
-from rollart_hpc.rollout.types import RequestOutput, SamplingParams
+from rollart_hpc.routing.router import PoolSpec, Router, episode_of
+from rollart_hpc.tasks.agent_loop import AgentConfig
+from rollart_hpc.tasks.build import family_specs, playable_tasks
+from rollart_hpc.tasks.episodes import is_greedy_episode, seed_key
+from rollart_hpc.tasks.types import Task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

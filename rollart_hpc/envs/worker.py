@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart_hpc.config.schema import EnvsConfig
+from rollart_hpc.contracts.generation import LLMClient
 from rollart_hpc.contracts.records import Trajectory
-from rollart_hpc.envs.agent_loop import AgentConfig, fail, new_trajectory, run_episode
-from rollart_hpc.envs.chat import ChatTokens
 from rollart_hpc.envs.child import child_main
 from rollart_hpc.envs.faults import FaultConfig, LatencyConfig
-from rollart_hpc.envs.registry import FamilySpec
-from rollart_hpc.envs.types import EnvError, StepResult, Task
-from rollart_hpc.rollout.types import LLMClient
+from rollart_hpc.tasks.agent_loop import AgentConfig, fail, new_trajectory, run_episode
+from rollart_hpc.tasks.chat import ChatTokens
+from rollart_hpc.tasks.registry import FamilySpec
+from rollart_hpc.tasks.types import EnvError, StepResult, Task
 
 
 @dataclass(frozen=True)

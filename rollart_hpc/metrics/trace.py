@@ -4,7 +4,7 @@ One JSON object per line, each with `e` (the event) and `t` (Unix time, the cont
 that stamps a ticket's dispatch time):
 - `start`: the RL phase begins (`num_steps`, `batch_size`).
 - `result`: a training episode reached the controller: `id` (its requests' rollout rank follows from it,
-  `rollart_hpc.rollout.routing`), `status`, `dispatch_t`, `reset_s`, and per turn `prompt` (new prompt tokens: the observation and
+  `rollart_hpc.routing.router`), `status`, `dispatch_t`, `reset_s`, and per turn `prompt` (new prompt tokens: the observation and
   template the turn appended), `gen` (tokens generated), `llm_s` (time from request to answer, queueing
   in the engine included) and `env_s` (the env step); `tokens`, the trajectory's length.
 - `batch`: the controller handed step `step` to the trainers (`tokens` in the batch).

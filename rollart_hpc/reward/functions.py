@@ -43,7 +43,7 @@ def env_won(inp: RewardInput) -> RewardOutput:
 
 def calc_math_answer(inp: RewardInput) -> RewardOutput:
     """1.0 if the final reply holds `<answer>` equal to the gold answer, recomputed from the task id."""
-    from rollart_hpc.envs.families.calc_math import (
+    from rollart_hpc.tasks.families.calc_math import (
         answer_matches,
         generate_problem,
         parse_action,

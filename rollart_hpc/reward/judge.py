@@ -69,7 +69,7 @@ def parse_score(answer: str) -> float | None:
 def task_text(inp: RewardInput) -> str:
     """The task statement the agent saw when the family can rebuild it from the task id, else the id."""
     if inp.family == "calc_math":
-        from rollart_hpc.envs.families.calc_math import generate_problem, parse_task_id
+        from rollart_hpc.tasks.families.calc_math import generate_problem, parse_task_id
 
         try:
             return generate_problem(parse_task_id(inp.task_id)).text
@@ -140,8 +140,8 @@ class Judge:
         temperature: float,
         num_slots: int,
     ) -> None:
-        """`engine` satisfies `rollart_hpc.rollout.api.Engine`; `tokenizer` has a chat template."""
-        from rollart_hpc.rollout.async_engine import AsyncEngine
+        """`engine` satisfies `rollart_hpc.inference.api.Engine`; `tokenizer` has a chat template."""
+        from rollart_hpc.inference.async_engine import AsyncEngine
 
         self.tokenizer = tokenizer
         self.families = frozenset(families)
@@ -162,8 +162,8 @@ class Judge:
         seed: int = 0,
     ) -> Judge:
         """A judge on the built-in engine over an HF model dir (context: the model's, at most 2048)."""
+        from rollart_hpc.inference.engine import LLMEngine
         from rollart_hpc.models.config import load_config
-        from rollart_hpc.rollout.engine import LLMEngine
 
         max_len = min(2048, load_config(model_dir).max_position_embeddings)
         engine = LLMEngine.from_pretrained(model_dir, num_slots=num_slots, max_model_len=max_len, seed=seed)
@@ -177,7 +177,7 @@ class Judge:
         return [int(i) for i in self.tokenizer.encode(text + PREFILL, add_special_tokens=False)]
 
     async def score(self, inp: RewardInput) -> JudgeResult:
-        from rollart_hpc.rollout.types import SamplingParams
+        from rollart_hpc.contracts.generation import SamplingParams
 
         seed = None
         if self.temperature > 0:

@@ -68,7 +68,7 @@ class InjectedRewardError(RuntimeError):
 
 def _warm_up() -> int:
     """Run once in a new worker: imports the reward functions so the first real call is warm."""
-    from rollart_hpc.envs.families import calc_math  # noqa: F401
+    from rollart_hpc.tasks.families import calc_math  # noqa: F401
 
     return 0
 
@@ -80,7 +80,7 @@ def _process_context() -> multiprocessing.context.BaseContext:
     preload = [
         "rollart_hpc.reward.worker_boot",
         "rollart_hpc.reward.functions",
-        "rollart_hpc.envs.families.calc_math",
+        "rollart_hpc.tasks.families.calc_math",
     ]
     ctx.set_forkserver_preload(preload)
     return ctx

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from rollart_hpc.rollout.api import Engine
+from rollart_hpc.inference.api import Engine
 from rollart_hpc.rollout.resilient import ResilientEngine
 
 
@@ -54,7 +54,7 @@ def engine_counters(engine: Engine) -> tuple[int, int] | None:
 def planned_tokens(engine: Engine) -> tuple[int, int] | None:
     """(prefill, decode) tokens the next step of a built-in engine forwards; None for other engines.
     Mirrors `LLMEngine._admit` and `_plan` without changing the engine."""
-    from rollart_hpc.rollout.engine import LLMEngine  # torch: only on a rollout rank
+    from rollart_hpc.inference.engine import LLMEngine  # torch: only on a rollout rank
 
     inner = _inner(engine)
     if not isinstance(inner, LLMEngine):

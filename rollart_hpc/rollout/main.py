@@ -34,10 +34,10 @@ from rollart_hpc.config.roles import DEFAULT_POOL, RolloutPoolConfig
 from rollart_hpc.config.schema import Config, RolloutConfig
 from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.contracts.records import RankLoad, RankStats, Ready, WeightAnnouncement, WorkerStart
+from rollart_hpc.inference.api import Engine
+from rollart_hpc.inference.engines import build_engine
 from rollart_hpc.metrics.timeline import Timeline
-from rollart_hpc.rollout.api import Engine
 from rollart_hpc.rollout.costs import CostProfile, StepMeter
-from rollart_hpc.rollout.engines import build_engine
 from rollart_hpc.rollout.resilient import FaultInjector, ResilientEngine, arm_fault_signal
 
 if TYPE_CHECKING:

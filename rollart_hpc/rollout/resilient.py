@@ -34,8 +34,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from rollart_hpc.rollout.api import Engine
-from rollart_hpc.rollout.types import RequestOutput, SamplingParams
+from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
+from rollart_hpc.inference.api import Engine
 
 if TYPE_CHECKING:
     import torch

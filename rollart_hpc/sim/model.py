@@ -5,7 +5,7 @@ not modelled: the simulation runs the real `ControllerCore` with the simulated c
 - env ranks, each with `envs.num_slots` episode slots, dispatched to least-loaded first as the controller
   does; a slot is taken at dispatch and freed when the result reaches the controller;
 - an episode replays a measured shape (`sim.profile.EpisodeShape`, each once per shuffled pass): reset, then per turn a request to the
-  rollout engine its id routes to (`rollout.routing`) and the env step, then the reward and messages;
+  rollout engine its id routes to (`routing.router`) and the env step, then the reward and messages;
 - rollout engines with continuous batching: at most `rollout.num_slots` requests run, a step advances each
   by one token in `decode_s + decode_s_per_request * b` (b running), a request's prompt is prefilled in the
   step it joins;
@@ -32,7 +32,7 @@ from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.records import Status, Trajectory
 from rollart_hpc.controller.core import Batch, ControllerCore
 from rollart_hpc.metrics.trace import TraceWriter
-from rollart_hpc.rollout.routing import rollout_index
+from rollart_hpc.routing.router import rollout_index
 from rollart_hpc.sim.profile import EpisodeShape, Profile, steady_step_s
 
 

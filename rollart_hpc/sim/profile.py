@@ -34,7 +34,7 @@ import numpy as np
 
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.metrics.trace import TRACE_FILE
-from rollart_hpc.rollout.routing import rollout_index
+from rollart_hpc.routing.router import rollout_index
 
 
 @dataclass(frozen=True)

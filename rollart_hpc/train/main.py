@@ -30,9 +30,9 @@ from rollart_hpc.contracts.records import (
     Trajectory,
     WeightAnnouncement,
 )
-from rollart_hpc.envs.agent_loop import AgentConfig
-from rollart_hpc.envs.build import family_specs, run_tasks
 from rollart_hpc.metrics.timeline import Timeline
+from rollart_hpc.tasks.agent_loop import AgentConfig
+from rollart_hpc.tasks.build import family_specs, run_tasks
 from rollart_hpc.train.config import TrainerConfig
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def rl_lr(config: Config, step: int) -> float:
 
 
 def demonstrations(config: Config, tokenizer: PreTrainedTokenizerBase) -> list[Trajectory]:
-    from rollart_hpc.envs.demos import demonstration_trajectory
+    from rollart_hpc.tasks.demos import demonstration_trajectory
 
     families = {name: spec.build() for name, spec in family_specs(config.envs).items()}
     cfg = AgentConfig.from_config(config.rollout)

@@ -13,12 +13,12 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from rollart_hpc.contracts.generation import FinishReason, RequestOutput, SamplingParams
 from rollart_hpc.contracts.records import Trajectory
-from rollart_hpc.envs.agent_loop import AgentConfig, new_trajectory, run_episode
-from rollart_hpc.envs.chat import ChatTokens, Message
-from rollart_hpc.envs.registry import Family
-from rollart_hpc.envs.types import Env, StepResult, Task
-from rollart_hpc.rollout.types import FinishReason, RequestOutput, SamplingParams
+from rollart_hpc.tasks.agent_loop import AgentConfig, new_trajectory, run_episode
+from rollart_hpc.tasks.chat import ChatTokens, Message
+from rollart_hpc.tasks.registry import Family
+from rollart_hpc.tasks.types import Env, StepResult, Task
 
 
 class LocalAsyncEnv:

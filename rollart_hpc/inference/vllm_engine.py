@@ -1,4 +1,4 @@
-"""vLLM 0.32 (AsyncLLM) behind the synchronous engine contract (`rollart_hpc.rollout.api.Engine`):
+"""vLLM 0.32 (AsyncLLM) behind the synchronous engine contract (`rollart_hpc.inference.api.Engine`):
 add_request / abort / step / update_weights / version / close, so the rollout rank loop
 (`rollart_hpc.rollout.main.serve`) drives either engine.
 
@@ -50,12 +50,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from rollart_hpc.rollout.types import FinishReason, RequestOutput, SamplingParams
-from rollart_hpc.rollout.vllm_staging import StagingBuffer, single_bucket_layout
-from rollart_hpc.rollout.vllm_worker import LOAD_METHOD
+from rollart_hpc.contracts.generation import FinishReason, RequestOutput, SamplingParams
+from rollart_hpc.inference.vllm_staging import StagingBuffer, single_bucket_layout
+from rollart_hpc.inference.vllm_worker import LOAD_METHOD
 
 T = TypeVar("T")
-WORKER_EXTENSION = "rollart_hpc.rollout.vllm_worker.RollartWorkerExtension"
+WORKER_EXTENSION = "rollart_hpc.inference.vllm_worker.RollartWorkerExtension"
 FINISH_REASONS: dict[str, FinishReason] = {
     "stop": "stop",
     "length": "length",

@@ -26,7 +26,7 @@ from typing import Any
 
 from rollart_hpc.config.schema import HELDOUT_MAX
 from rollart_hpc.contracts.errors import UsageError
-from rollart_hpc.envs.families.household_gen import NUM_GAMES
+from rollart_hpc.tasks.families.household_gen import NUM_GAMES
 
 CACHE_VERSION = "v1"
 READY = "READY"
@@ -148,7 +148,7 @@ def _spawn(folder: Path, first: int, last: int, tmp: Path) -> subprocess.Popen[b
     cmd = [
         sys.executable,
         "-m",
-        "rollart_hpc.envs.families.household_gen",
+        "rollart_hpc.tasks.families.household_gen",
         str(folder),
         str(first),
         str(last),

@@ -1,4 +1,4 @@
-"""The built-in continuous-batching engine (vLLM-shaped; satisfies `rollart_hpc.rollout.api.Engine`):
+"""The built-in continuous-batching engine (vLLM-shaped; satisfies `rollart_hpc.inference.api.Engine`):
 add_request / abort / step / update_weights / close.
 
 Dataflow. `add_request` queues a request; each `step()`:
@@ -15,7 +15,7 @@ Invariants:
 - Slots: a fixed number, KV cache preallocated. Running requests occupy rows 0..n-1; a freed row is
   refilled at once by moving the last row into it, so decode always reads contiguous rows.
 - Prefix cache (`prefix_cache_slots` > 0): rows num_slots.. hold the KV of ended requests (every token
-  that went through the model), indexed by token blocks (`rollart_hpc.rollout.prefix_cache`), least
+  that went through the model), indexed by token blocks (`rollart_hpc.inference.prefix_cache`), least
   recently used evicted first. A new request starts from the longest cached prefix of its prompt
   (never the whole prompt). With `recompute_on_swap` a weight swap empties the cache, so a reused
   prefix was computed by the weights that are active. Off with `batch_invariant` (a reused prefix would
@@ -48,13 +48,13 @@ from typing import Any
 
 import torch
 
+from rollart_hpc.contracts.generation import FinishReason, RequestOutput, SamplingParams
+from rollart_hpc.inference.decoder import Decoder, Segment, SlotKVCache
+from rollart_hpc.inference.packed import PackedWeights, pack_weights, resolve_backend, unpack_weights
+from rollart_hpc.inference.prefix_cache import PrefixIndex
+from rollart_hpc.inference.sampling import sample
 from rollart_hpc.models.checkpoint import check_weights, drop_tied_head, load_weights
 from rollart_hpc.models.config import ModelConfig, load_config
-from rollart_hpc.rollout.decoder import Decoder, Segment, SlotKVCache
-from rollart_hpc.rollout.packed import PackedWeights, pack_weights, resolve_backend, unpack_weights
-from rollart_hpc.rollout.prefix_cache import PrefixIndex
-from rollart_hpc.rollout.sampling import sample
-from rollart_hpc.rollout.types import FinishReason, RequestOutput, SamplingParams
 
 
 @dataclass(eq=False)

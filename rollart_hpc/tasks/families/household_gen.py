@@ -9,7 +9,7 @@ Five types are built with `textworld.GameMaker` in the terse `basic` grammar (a 
 so no command of a walkthrough is inadmissible. Run under `PYTHONHASHSEED=0` for byte-identical files.
 
 `generate_range(ids, out_dir)` writes `game_XXX.z8`/`.json` plus `game_XXX.meta.json` (type, seed,
-objective, walkthrough) for each id; `rollart_hpc.envs.families.household_data` orchestrates processes, replays
+objective, walkthrough) for each id; `rollart_hpc.tasks.families.household_data` orchestrates processes, replays
 every walkthrough and writes the manifest.
 """
 
@@ -327,7 +327,7 @@ def _go_to(plan: _Plan, room: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m rollart_hpc.envs.families.household_gen OUT_DIR FIRST LAST`: generate ids FIRST..LAST-1."""
+    """`python -m rollart_hpc.tasks.families.household_gen OUT_DIR FIRST LAST`: generate ids FIRST..LAST-1."""
     out_dir, first, last = Path(argv[0]), int(argv[1]), int(argv[2])
     generate_range(list(range(first, last)), out_dir)
     return 0

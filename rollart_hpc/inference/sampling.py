@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rollart_hpc.rollout.types import SamplingParams
+from rollart_hpc.contracts.generation import SamplingParams
 
 
 def _top_k_top_p_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from rollart_hpc.inference.vllm_staging import open_staging, staged_tensors
 from rollart_hpc.models.checkpoint import TIED_HEAD_NAME
-from rollart_hpc.rollout.vllm_staging import open_staging, staged_tensors
 
 LOAD_METHOD = "rollart_load_staged"
 

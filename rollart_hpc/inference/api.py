@@ -1,7 +1,7 @@
 """The engine contract the rollout rank loop (`rollart_hpc.rollout.main.serve`) drives.
 
 Every engine behind `rollout.engine` (the built-in `LLMEngine`, the vLLM adapter `VLLMEngine`) satisfies
-`Engine` structurally; `rollart_hpc.rollout.engines.build_engine` constructs one from the config.
+`Engine` structurally; `rollart_hpc.inference.engines.build_engine` constructs one from the config.
 
 Contract (checked for both engines by tests/engine_contract.py):
 - every added request yields exactly one finished output through `step()` (finish_reason stop, length,
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
-from rollart_hpc.rollout.types import RequestOutput, SamplingParams
+from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     import torch

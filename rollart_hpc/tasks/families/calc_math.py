@@ -11,7 +11,7 @@ warm start and the task sampler draw from, never holds them.
 
 Tool syntax: the model writes `<calc>EXPR</calc>` and observes `= VALUE` (or `error: ...`), and ends
 with `<answer>NUMBER</answer>`; the episode is done after the first answer, reward 1.0 if it equals the
-gold answer. The calculator is `rollart_hpc.envs.families.calculator.evaluate` (restricted, bounded, never
+gold answer. The calculator is `rollart_hpc.tasks.families.calculator.evaluate` (restricted, bounded, never
 executes code).
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 
 from rollart_hpc.config.choices import CALC_MAX_OPS
 from rollart_hpc.config.schema import HELDOUT_MAX
-from rollart_hpc.envs.families.calculator import CalcError, evaluate, format_number
-from rollart_hpc.envs.types import Task
+from rollart_hpc.tasks.families.calculator import CalcError, evaluate, format_number
+from rollart_hpc.tasks.types import Task
 
 FAMILY = "calc_math"
 NUM_PROBLEMS = 1500

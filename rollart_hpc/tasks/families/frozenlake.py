@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from rollart_hpc.envs.types import Task
+from rollart_hpc.tasks.types import Task
 
 FAMILY = "frozenlake"
 SYSTEM = "Move P to G. Do not step on O. Reply with one move: left, down, right or up."

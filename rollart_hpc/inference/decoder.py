@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from rollart_hpc.inference.packed import LayerWeights, PackedWeights
 from rollart_hpc.models.config import ModelConfig
-from rollart_hpc.rollout.packed import LayerWeights, PackedWeights
 
 
 def _inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -10,7 +10,7 @@ Policies (`routing.policy`):
   episodes), starting from the static map (even shares without one) with `routing.min_share` on the
   others (a turn drawn for a pool at that floor, an exploration turn, goes there only while the pool is
   idle, else to the family's largest share); every `routing.adapt_every_s` the shares are re-chosen from measured costs
-  (`rollout.affinity.decide`), and each decision is kept with its numbers (`decisions`).
+  (`routing.affinity.decide`), and each decision is kept with its numbers (`decisions`).
 
 Within the chosen pool a turn goes to the least-loaded rank (queued + running tokens); with
 `routing.sticky` it stays on the rank of the episode's previous turn while that rank is not saturated.
@@ -31,8 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollart_hpc.config.routing import RoutingConfig
+from rollart_hpc.contracts.ids import RequestId
 from rollart_hpc.contracts.records import RankLoad
-from rollart_hpc.rollout.affinity import FamilyWork, PoolCost, Shares, decide, pool_cost
+from rollart_hpc.routing.affinity import FamilyWork, PoolCost, Shares, decide, pool_cost
 
 MIN_FIT_STEPS = 20  # engine steps of a pool before its fitted costs are used (adaptive)
 MAX_FALLBACK_EVENTS = 200  # fallbacks recorded with the loads that caused them (the first ones)
@@ -45,7 +46,7 @@ def rollout_index(request_id: str, num_rollouts: int) -> int:
 
 
 def episode_of(request_id: str) -> str:
-    return request_id.split("/", 1)[0]
+    return RequestId.parse(request_id).episode
 
 
 def unit_hash(key: str) -> float:

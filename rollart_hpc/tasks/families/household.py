@@ -1,6 +1,6 @@
 """household: 128 TextWorld games (put/take/open tasks in a small house, and tw-cooking recipes).
 
-Games come from the prepared cache (`rollart_hpc.envs.families.household_data`; `launch.py envs prepare`).
+Games come from the prepared cache (`rollart_hpc.tasks.families.household_data`; `launch.py envs prepare`).
 An observation is the game's text with TextWorld's banner, prompt and status line removed, followed
 by one line listing the useful admissible commands (`Actions: a | b | ...`; `examine` commands other
 than the cookbook and `look` are left out of the list to keep it short, but remain valid). Any text is
@@ -17,8 +17,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from rollart_hpc.envs.families.household_data import NUM_HELDOUT, game_path, is_heldout, load_manifest
-from rollart_hpc.envs.types import Task
+from rollart_hpc.tasks.families.household_data import NUM_HELDOUT, game_path, is_heldout, load_manifest
+from rollart_hpc.tasks.types import Task
 
 FAMILY = "household"
 SYSTEM = "You are in a house. Do the task. Reply with one action from the Actions list."

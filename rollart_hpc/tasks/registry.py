@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollart_hpc.envs.types import Env, Task
+from rollart_hpc.tasks.types import Env, Task
 
 
 class Family(Protocol):
@@ -29,19 +29,19 @@ class Family(Protocol):
 
 
 def _household(**options: Any) -> Family:
-    from rollart_hpc.envs.families.household import HouseholdFamily
+    from rollart_hpc.tasks.families.household import HouseholdFamily
 
     return HouseholdFamily(**options)
 
 
 def _calc_math(**options: Any) -> Family:
-    from rollart_hpc.envs.families.calc_math import CalcMathFamily
+    from rollart_hpc.tasks.families.calc_math import CalcMathFamily
 
     return CalcMathFamily(**options)
 
 
 def _frozenlake(**options: Any) -> Family:
-    from rollart_hpc.envs.families.frozenlake import FrozenLakeFamily
+    from rollart_hpc.tasks.families.frozenlake import FrozenLakeFamily
 
     return FrozenLakeFamily(**options)
 

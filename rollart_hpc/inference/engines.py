@@ -6,14 +6,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rollart_hpc.config.schema import RolloutConfig
-from rollart_hpc.rollout.api import Engine
+from rollart_hpc.inference.api import Engine
 
 EngineBuilder = Callable[[RolloutConfig, Path, int, int], Engine]
 
 
 def build_builtin(rollout: RolloutConfig, model_dir: Path, version: int, seed: int) -> Engine:
-    """The built-in torch engine (`rollart_hpc.rollout.engine.LLMEngine`)."""
-    from rollart_hpc.rollout.engine import LLMEngine
+    """The built-in torch engine (`rollart_hpc.inference.engine.LLMEngine`)."""
+    from rollart_hpc.inference.engine import LLMEngine
 
     return LLMEngine.from_pretrained(
         model_dir,
@@ -27,8 +27,8 @@ def build_builtin(rollout: RolloutConfig, model_dir: Path, version: int, seed: i
 
 
 def build_vllm(rollout: RolloutConfig, model_dir: Path, version: int, seed: int) -> Engine:
-    """The vLLM adapter (`rollart_hpc.rollout.vllm_engine.VLLMEngine`); imports vllm."""
-    from rollart_hpc.rollout.vllm_engine import VLLMEngine
+    """The vLLM adapter (`rollart_hpc.inference.vllm_engine.VLLMEngine`); imports vllm."""
+    from rollart_hpc.inference.vllm_engine import VLLMEngine
 
     return VLLMEngine(
         model_dir,

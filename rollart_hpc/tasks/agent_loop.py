@@ -3,7 +3,7 @@
 Turn t: the conversation so far (token ids) goes to the `LLMClient`; its generated ids are appended
 verbatim with mask 1, their behaviour log-probs and policy versions; the env steps on the generated
 text; unless the episode is done, the template text closing the turn plus the observation and the next
-generation prompt are appended with mask 0 (see `rollart_hpc.envs.chat`).
+generation prompt are appended with mask 0 (see `rollart_hpc.tasks.chat`).
 
 Ending an episode ("ok" status):
 - "done": the env reported done (won or lost);
@@ -25,10 +25,11 @@ import time
 from dataclasses import dataclass
 
 from rollart_hpc.config.schema import RolloutConfig
+from rollart_hpc.contracts.generation import LLMClient, RequestOutput, SamplingParams
+from rollart_hpc.contracts.ids import RequestId
 from rollart_hpc.contracts.records import Trajectory
-from rollart_hpc.envs.chat import ChatTokens, Message
-from rollart_hpc.envs.types import AsyncEnv, EnvError, Task
-from rollart_hpc.rollout.types import LLMClient, RequestOutput, SamplingParams
+from rollart_hpc.tasks.chat import ChatTokens, Message
+from rollart_hpc.tasks.types import AsyncEnv, EnvError, Task
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ async def _turns(
         if room < cfg.min_new_tokens:
             return "context_limit"
         started = time.monotonic()
-        request_id = f"{traj.episode_id}/t{turn}"
+        request_id = str(RequestId.of_turn(traj.episode_id, turn))
         out = await _generate(client, request_id, traj.token_ids, cfg, chat, room, task.stop)
         llm_s = time.monotonic() - started
         _append_generated(traj, out)

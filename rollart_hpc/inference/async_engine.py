@@ -1,4 +1,4 @@
-"""An asyncio front for an `Engine` (`rollart_hpc.rollout.api`) implementing the `LLMClient` protocol.
+"""An asyncio front for an `Engine` (`rollart_hpc.inference.api`) implementing the `LLMClient` protocol.
 
 Dataflow: callers on an event loop `await generate(...)`; the call registers a future (on the loop's
 thread only) and puts an "add" command on a thread-safe queue. One background thread owns the engine:
@@ -23,8 +23,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from rollart_hpc.rollout.api import Engine
-from rollart_hpc.rollout.types import RequestOutput, SamplingParams
+from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
+from rollart_hpc.inference.api import Engine
 
 
 class AsyncEngine:

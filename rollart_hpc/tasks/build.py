@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from rollart_hpc.config.schema import EnvsConfig
-from rollart_hpc.envs.registry import FamilySpec
-from rollart_hpc.envs.types import Task
+from rollart_hpc.tasks.registry import FamilySpec
+from rollart_hpc.tasks.types import Task
 
 
 def family_specs(envs: EnvsConfig) -> dict[str, FamilySpec]:

@@ -1,1 +1,0 @@
-"""rollart_hpc.envs.families."""

@@ -1,0 +1,1 @@
+"""rollart_hpc.tasks.families."""
