@@ -6,7 +6,8 @@ import pytest
 
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.entry.cli import main as cli_main
-from rollart_hpc.metrics.report import load_run, read_rows, step_throughput, write_report
+from rollart_hpc.metrics.report import load_run, step_throughput, write_report
+from rollart_hpc.metrics.run_metrics import read_rows
 from rollart_hpc.metrics.timeline import (
     Timeline,
     busy_fraction,

@@ -161,14 +161,11 @@ def plan_fault(rng: random.Random, setup: Setup, fault: str) -> FaultPlan:
 
 def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
     """The rows of metrics.jsonl with a version (a half-written last line is skipped)."""
+    from rollart_hpc.metrics.run_metrics import read_rows
+
     rows = []
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    for line in lines:
+    for row in read_rows(run_dir / "metrics.jsonl"):
         try:
-            row = json.loads(line)
             int(row["version"])
         except (ValueError, KeyError, TypeError):
             continue

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.metrics.run_metrics import METRICS_FILE, read_rows
 
 COMPARE_MD = "compare.md"
 COMPARE_PNG = "compare.png"
@@ -108,20 +109,14 @@ def discover(sweep_dir: Path) -> list[tuple[str, str, int]]:
     return found
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The metrics rows of a file; a line that is not a JSON object with a `step` is a warning and skipped."""
+def step_rows(path: Path) -> list[dict[str, Any]]:
+    """The metrics rows of a file that carry a `step` (others are a warning and skipped)."""
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            row = None
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int | float):
-            print(f"warning: {path}:{number}: corrupt metrics line skipped", file=sys.stderr)
-            continue
-        rows.append(row)
+    for row in read_rows(path, skip_bad=True):
+        if isinstance(row.get("step"), int | float):
+            rows.append(row)
+        else:
+            print(f"warning: {path}: metrics row without a step skipped", file=sys.stderr)
     return rows
 
 
@@ -183,8 +178,8 @@ def load_runs(sweep_dir: Path) -> list[RunCurves]:
         raise UsageError(f"{sweep_dir} is not a directory")
     runs = []
     for rel, arm, seed in discover(sweep_dir):
-        path = sweep_dir / rel / "metrics.jsonl"
-        rows = read_rows(path) if path.exists() else []
+        path = sweep_dir / rel / METRICS_FILE
+        rows = step_rows(path)
         run = curves(rel, arm, seed, rows)
         if not run.eval_points:
             print(f"warning: {path}: no metrics rows; run {rel} left out", file=sys.stderr)

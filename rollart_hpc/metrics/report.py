@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.metrics.run_metrics import read_metrics
 from rollart_hpc.metrics.timeline import RankTimeline, busy_fraction, merge_intervals, read_timelines, window
 
 
@@ -53,21 +54,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 # ---- reading ------------------------------------------------------------------------------------
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl rows; a last line that does not parse (being written) is skipped, any other is an error."""
-    if not path.exists():
-        return []
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    rows = []
-    for i, line in enumerate(lines):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise UsageError(f"{path}: line {i + 1} is not JSON") from None
-    return rows
-
-
 def load_run(run_dir: Path) -> RunData:
     """Read a run directory; UsageError (one line) when it is not one."""
     run_dir = Path(run_dir)
@@ -78,7 +64,7 @@ def load_run(run_dir: Path) -> RunData:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.exists() else None
     # Optimizer steps and evaluation rounds (kind "eval", see run_metrics.is_eval_row) apart.
-    every = read_rows(run_dir / "metrics.jsonl")
+    every = read_metrics(run_dir)
     rows = [r for r in every if r.get("kind") != "eval"]
     evals = sorted((r for r in every if r.get("kind") == "eval"), key=lambda r: int(r["version"]))
     return RunData(run_dir, config, rows, summary, read_timelines(run_dir), evals)

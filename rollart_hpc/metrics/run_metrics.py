@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from rollart_hpc.contracts.errors import UsageError
+
 
 class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self._fh = self.path.open("a", encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -49,15 +52,39 @@ def is_eval_row(row: Mapping[str, Any]) -> bool:
     return row.get("kind") == "eval"
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_rows(path: Path, *, skip_bad: bool = False) -> list[dict[str, Any]]:
+    """The one reader of metrics.jsonl: its rows (JSON objects), [] when the file does not exist. A last line
+    that does not parse (being written) is skipped; any other line that is not a JSON object is a one-line
+    UsageError naming it. With `skip_bad` (reading many runs at once, or a run being written) every line that
+    is not a JSON object is a warning on stderr and skipped."""
     if not path.exists():
         return []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            rows.append(json.loads(line))
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif skip_bad:
+            print(f"warning: {path}:{i + 1}: corrupt metrics line skipped", file=sys.stderr)
+        elif i != last or row is not None:
+            what = "not JSON" if row is None else "not a JSON object"
+            raise UsageError(f"{path}: line {i + 1} is {what}")
     return rows
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of a run directory's metrics.jsonl (`read_rows`)."""
+    return read_rows(run_dir / METRICS_FILE)
 
 
 def truncate_metrics(run_dir: Path, version: int) -> list[dict[str, Any]]:
@@ -66,7 +93,7 @@ def truncate_metrics(run_dir: Path, version: int) -> list[dict[str, Any]]:
 
     rows = [r for r in read_metrics(run_dir) if int(r["step"]) < version]
     text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
-    atomic_write_bytes(run_dir / "metrics.jsonl", text.encode())
+    atomic_write_bytes(run_dir / METRICS_FILE, text.encode())
     return rows
 
 
