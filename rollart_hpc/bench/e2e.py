@@ -52,6 +52,7 @@ from typing import Any
 from rollart_hpc.config.choices import MODES
 from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.entry.sweep import WARM_ARM, warm_model_overrides, warm_start_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,7 +123,7 @@ def run_mode(
     else:
         cmd += [*args.overrides, *mode_overrides(args, mode), f"run.seed={seed}", *extra]
     made_by = run_dir / COMMAND_FILE
-    if (run_dir / "summary.json").exists():
+    if RunLayout(run_dir).summary.exists():
         if not made_by.exists() or json.loads(made_by.read_text(encoding="utf-8")) != cmd[3:]:
             raise UsageError(
                 f"{run_dir} was run with other settings than this command's: choose another --out-dir"

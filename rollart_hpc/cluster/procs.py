@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from rollart_hpc.contracts.rundir import RunLayout
+
 
 def pid_alive(pid: int) -> bool:
     """Running: it exists (signal 0) and is not a zombie (an exited process its parent has not reaped
@@ -37,7 +39,7 @@ def children(pid: int) -> list[int]:
 def rank_exit_path(run_dir: Path, rank: int) -> Path:
     """Written by a rank whose main returned normally: the launcher tells a finished rank from a silent
     death, and the srun watcher a step whose every rank finished from one it had to end."""
-    return run_dir / "pids" / f"rank-{rank}.exit"
+    return RunLayout(run_dir).exit_file(rank)
 
 
 def ranks_finished(run_dir: Path, ranks: int, since: float) -> bool:

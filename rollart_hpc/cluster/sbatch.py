@@ -35,6 +35,7 @@ from typing import Any
 
 from rollart_hpc.cluster.plan import RoleRange, RunPlan
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_DIR = REPO_ROOT / "slurm" / "templates"
@@ -48,7 +49,11 @@ HETJOB_SCRIPT = "job.sbatch"
 HETJOB_OUTPUT = "slurm-%j.out"
 # run.job -> the file a finished run of that job leaves in its run dir. None: the job has no checkpoints,
 # so a step that exits 0 has finished it (a requeue would only start it over).
-FINISH_MARKERS: dict[str, str | None] = {"rl": "summary.json", "smoke": None, "eval": "eval.json"}
+FINISH_MARKERS: dict[str, str | None] = {
+    "rl": RunLayout.SUMMARY_NAME,
+    "smoke": None,
+    "eval": RunLayout.EVAL_RESULT_NAME,
+}
 
 
 @dataclass(frozen=True)

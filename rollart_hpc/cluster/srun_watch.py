@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rollart_hpc.cluster import slurm
 from rollart_hpc.cluster.procs import pid_alive, ranks_finished
 
 # Steps of a job that are not an srun step: the batch script itself and the extern/interactive steps.
@@ -51,14 +51,8 @@ def srun_steps(job_id: str, listed: list[str]) -> list[str]:
 
 def squeue_steps(job_id: str) -> list[str] | None:
     """The job's srun steps slurmctld lists now; None when squeue fails."""
-    try:
-        out = subprocess.run(
-            ["squeue", "--steps", "--noheader", "--format=%i", "--jobs", job_id],
-            capture_output=True, text=True, timeout=30, check=True,
-        ).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return srun_steps(job_id, out.split())
+    listed = slurm.job_steps(job_id)
+    return None if listed is None else srun_steps(job_id, listed)
 
 
 def watch(pid: int, steps: StepLister, grace_s: float, poll_s: float = 5.0) -> bool:

@@ -15,8 +15,9 @@ from rollart_hpc.config.loader import apply_overrides, build, load_toml, to_dict
 from rollart_hpc.config.schema import ROLE_NAMES, Config
 from rollart_hpc.contracts.atomic import atomic_write_bytes
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 
-RESOLVED_NAME = "config.resolved.toml"
+RESOLVED_NAME = RunLayout.CONFIG_NAME
 RL_SECTIONS = ("model", "rollout", "envs", "reward", "algo", "trainer", "controller", "routing")
 
 

@@ -23,13 +23,14 @@ from typing import Any
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.atomic import atomic_write_bytes, atomic_write_json
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 
 COMPLETE = "COMPLETE"
 CONTROLLER_STATE = "controller.pkl"
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
+    return RunLayout(run_dir).checkpoints
 
 
 def step_dir(run_dir: Path, version: int) -> Path:
@@ -195,7 +196,7 @@ def check_resumable(run_dir: Path, config: Config, path: Path) -> None:
 
     check_fingerprint(path, config)
     state = read_controller_state(path)
-    check_store(run_dir / "trajectories.h5", StorePosition(**state["store"]))
+    check_store(RunLayout(run_dir).trajectories, StorePosition(**state["store"]))
 
 
 def discard_incomplete(run_dir: Path) -> list[Path]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from rollart_hpc.cluster.context import RunContext
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.atomic import atomic_write_json
+from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.controller.evaluation import Evaluator
 from rollart_hpc.controller.shutdown import shutdown
 from rollart_hpc.controller.startup import start_workers
@@ -24,7 +25,7 @@ from rollart_hpc.controller.state import Controller
 from rollart_hpc.tasks.build import heldout_tasks, run_tasks
 
 REQUEST = "eval_request.json"  # written by `launch.py eval`: run_dir, checkpoint, version
-RESULT = "eval.json"
+RESULT = RunLayout.EVAL_RESULT_NAME
 
 
 def evaluate(controller: Controller, version: int) -> dict:

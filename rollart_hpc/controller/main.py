@@ -10,6 +10,7 @@ from pathlib import Path
 from rollart_hpc.cluster.context import RunContext
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.atomic import atomic_write_json
+from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.controller import loop, recovery
 from rollart_hpc.controller.shutdown import shutdown
 from rollart_hpc.controller.startup import start_workers
@@ -40,7 +41,7 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     if stopped:
         ctx.log.info(f"stop requested: checkpointed at version {controller.core.version}; resume to continue")
         return
-    atomic_write_json(run_dir / "summary.json", summary)
+    atomic_write_json(RunLayout(run_dir).summary, summary)
     ctx.log.info("\n" + summary_table(summary))
     if not summary["balanced"]:
         raise RuntimeError(f"trajectory accounting is not balanced: {summary['accounting']}")

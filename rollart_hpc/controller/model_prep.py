@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.tasks.build import family_specs, run_tasks
 from rollart_hpc.tasks.registry import Family
 from rollart_hpc.tasks.types import Task
@@ -29,7 +30,7 @@ def task_corpus(config: Config, families: dict[str, Family], tasks: list[Task]) 
 
 
 def prepare_model(config: Config, run_dir: Path) -> Path:
-    target = run_dir / "model" / "init"
+    target = RunLayout(run_dir).model / "init"
     if (target / "config.json").exists():
         return target
     m = config.model

@@ -22,6 +22,7 @@ from rollart_hpc.cluster.mailbox import Message
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.contracts.records import EpisodeTicket, RankStats, StepReport, Trajectory
+from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.controller.batching import batch_advantages, batch_stats, shard_batch
 from rollart_hpc.controller.core import ControllerCore
 from rollart_hpc.controller.evaluation import Evaluator
@@ -44,7 +45,7 @@ class Controller:
         self.config, self.ctx = config, ctx
         task_ids = [t.id for t in tasks]
         self.core = ControllerCore.from_config(config.controller, config.algo, task_ids, config.run.seed)
-        self.store: TrajectoryStore = TrajectoryStore(ctx.run_dir / "trajectories.h5")
+        self.store: TrajectoryStore = TrajectoryStore(RunLayout(ctx.run_dir).trajectories)
         c = config.controller
         heldout = heldout_tasks(config.envs) if c.eval_every_steps else []
         self.evaluator = Evaluator(
@@ -132,7 +133,7 @@ class Controller:
         surplus = [r["episode_id"] for r in records if r["when"] == "surplus"]
         if surplus:
             self.store.mark(surplus, "dropped", self.core.version, "redundant")
-        with (self.ctx.run_dir / "redundant.jsonl").open("a") as fh:
+        with RunLayout(self.ctx.run_dir).redundant.open("a") as fh:
             fh.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
 
     def on_trained(self, report: StepReport) -> None:

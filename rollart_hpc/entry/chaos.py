@@ -45,6 +45,7 @@ from typing import Any
 
 from rollart_hpc.cluster.procs import children, pid_alive
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 
 FAULTS = ("kill", "stop", "checkpoint", "disk", "engine")
 # The roles a fault may hit (every role where absent): `disk` hits ranks that write run files, `engine`
@@ -164,7 +165,7 @@ def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
     from rollart_hpc.metrics.run_metrics import read_rows
 
     rows = []
-    for row in read_rows(run_dir / "metrics.jsonl"):
+    for row in read_rows(RunLayout(run_dir).metrics):
         try:
             int(row["version"])
         except (ValueError, KeyError, TypeError):
@@ -188,14 +189,14 @@ def last_step_s(rows: list[dict[str, Any]]) -> float:
 
 def metrics_inode(run_dir: Path) -> int | None:
     try:
-        return (run_dir / "metrics.jsonl").stat().st_ino
+        return RunLayout(run_dir).metrics.stat().st_ino
     except FileNotFoundError:
         return None
 
 
 def rank_pid(run_dir: Path, rank: int) -> int | None:
     try:
-        return int(json.loads((run_dir / "pids" / f"rank-{rank}.pid").read_text())["pid"])
+        return int(json.loads(RunLayout(run_dir).pid_file(rank).read_text())["pid"])
     except (OSError, ValueError, KeyError):
         return None
 
@@ -262,7 +263,7 @@ def wait_and_inject(
             while time.monotonic() < until and len(metric_rows(run_dir)) == len(rows):
                 time.sleep(POLL_S / 2)
             pid = rank_pid(run_dir, plan.rank)
-            if pid is not None and proc.poll() is None and (run_dir / "summary.json").exists() is False:
+            if pid is not None and proc.poll() is None and RunLayout(run_dir).summary.exists() is False:
                 detail = inject(plan, pid, run_dir, engine, rng)
                 return Injection(round(time.monotonic() - started, 2), time.monotonic(), pid, detail)
         time.sleep(POLL_S)
@@ -310,7 +311,7 @@ def limit_file_size(pid: int, role: str, run_dir: Path) -> str:
     from rollart_hpc.controller.checkpoint import latest
 
     if role == "controller":
-        target = run_dir / "trajectories.h5"
+        target = RunLayout(run_dir).trajectories
     else:
         newest = latest(run_dir)
         assert newest is not None
@@ -416,7 +417,7 @@ def assess(
 ) -> dict[str, Any]:
     lost, duplicated, counts = audit(run_dir)
     restarts = restart_rows(run_dir)
-    finished = code == 0 and (run_dir / "summary.json").exists()
+    finished = code == 0 and RunLayout(run_dir).summary.exists()
     resumed = recovery.get("resumed_from")
     redone = max(0, recovery["steps_before"] - resumed) if resumed is not None else None
     rebuilds = rank_rebuilds(run_dir, plan)
@@ -447,7 +448,7 @@ def rank_rebuilds(run_dir: Path, plan: FaultPlan) -> int | None:
     """Engine (rollout) or worker pool (reward) rebuilds of the target rank in the finished run's
     summary.json (the last world's); None for other roles or without a summary."""
     try:
-        counts = json.loads((run_dir / "summary.json").read_text())["failures_and_rebuilds"]
+        counts = json.loads(RunLayout(run_dir).summary.read_text())["failures_and_rebuilds"]
         return int(counts[f"{plan.role} rank {plan.rank}"]["rebuilds"])
     except (OSError, ValueError, KeyError):
         return None
@@ -462,8 +463,8 @@ def audit(run_dir: Path) -> tuple[int | None, int | None, dict[str, int]]:
     from rollart_hpc.store.trajectories import read_store
 
     try:
-        acc = json.loads((run_dir / "summary.json").read_text())["accounting"]
-        records = read_store(run_dir / "trajectories.h5").records
+        acc = json.loads(RunLayout(run_dir).summary.read_text())["accounting"]
+        records = read_store(RunLayout(run_dir).trajectories).records
     except (OSError, ValueError, KeyError):
         return None, None, {}
     counts: dict[str, int] = {

@@ -100,7 +100,7 @@ def discover(sweep_dir: Path) -> list[tuple[str, str, int]]:
         except (ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"{listing}: not a sweep listing ({exc})") from None
     found = []
-    for index, path in enumerate(sorted(sweep_dir.rglob("metrics.jsonl"))):
+    for index, path in enumerate(sorted(sweep_dir.rglob(METRICS_FILE))):
         rel = path.parent.relative_to(sweep_dir)
         if rel.name.startswith("seed=") and rel.name[5:].lstrip("-").isdigit():
             found.append((str(rel), str(rel.parent) if str(rel.parent) != "." else "base", int(rel.name[5:])))

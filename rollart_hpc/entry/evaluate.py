@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
     config = dataclasses.replace(
         config, run=dataclasses.replace(config.run, job="eval"), controller=controller
     )
-    world_dir = run_dir / "evals" / checkpoint.name
+    world_dir = RunLayout(run_dir).evals / checkpoint.name
     link_model(run_dir, world_dir, config.model.source)
     write_resolved(config, world_dir)
     request = {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "version": version}
@@ -114,7 +115,7 @@ def link_model(run_dir: Path, world_dir: Path, source: str) -> None:
     into the evaluation world so that it is reused, not made again."""
     if source == "path":
         return  # the config names the model directory itself
-    init = run_dir / "model" / "init"
+    init = RunLayout(run_dir).model / "init"
     if not (init / "config.json").is_file():
         raise UsageError(f"{run_dir} has no initial model ({init / 'config.json'} is missing)")
     link = world_dir / "model" / "init"

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from rollart_hpc.cluster.procs import pid_alive, rank_exit_path
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.entry import restarts
 from rollart_hpc.entry.restarts import WorldOutcome
 
@@ -90,7 +91,7 @@ def check_inputs(config: Config) -> None:
 
 
 # Files whose presence means a run directory already holds a run's results.
-RUN_OUTPUTS = ("trajectories.h5", "metrics.jsonl", "summary.json")
+RUN_OUTPUTS = (RunLayout.TRAJECTORIES_NAME, RunLayout.METRICS_NAME, RunLayout.SUMMARY_NAME)
 
 
 def mpiexec_command(world_size: int, run_dir: Path) -> list[str]:
@@ -125,11 +126,14 @@ def run_world(run_dir: Path, world_size: int, timeout_s: float = 0.0) -> int:
 
 def run_world_outcome(run_dir: Path, world_size: int, timeout_s: float = 0.0) -> WorldOutcome:
     """`run_world`, returning the outcome (for `--max-restarts`)."""
-    (run_dir / "pids").mkdir(parents=True, exist_ok=True)
-    for stale in (*(run_dir / "pids").glob("rank-*.pid"), *(run_dir / "pids").glob("rank-*.exit")):
+    RunLayout(run_dir).pids.mkdir(parents=True, exist_ok=True)
+    for stale in (
+        *RunLayout(run_dir).pids.glob("rank-*.pid"),
+        *RunLayout(run_dir).pids.glob("rank-*.exit"),
+    ):
         stale.unlink()
-    if (run_dir / "failures").exists():  # an earlier attempt's reports (resume) are not this world's
-        shutil.rmtree(run_dir / "failures")
+    if RunLayout(run_dir).failures.exists():  # an earlier attempt's reports (resume) are not this world's
+        shutil.rmtree(RunLayout(run_dir).failures)
     proc = subprocess.Popen(
         mpiexec_command(world_size, run_dir), env=mpi_environment(), start_new_session=True
     )
@@ -203,7 +207,7 @@ class WorldWatch:
 
 
 def failure_ranks(run_dir: Path) -> set[int]:
-    return {int(p.stem.split("-")[1]) for p in (run_dir / "failures").glob("rank-*.json")}
+    return {int(p.stem.split("-")[1]) for p in RunLayout(run_dir).failures.glob("rank-*.json")}
 
 
 class _TerminatedError(Exception):
@@ -236,14 +240,14 @@ def stop_session(proc: subprocess.Popen[bytes]) -> None:
 
 def rank_pids(run_dir: Path) -> dict[int, int]:
     pids = {}
-    for path in (run_dir / "pids").glob("rank-*.pid"):
+    for path in RunLayout(run_dir).pids.glob("rank-*.pid"):
         pids[int(path.stem.split("-")[1])] = int(json.loads(path.read_text())["pid"])
     return pids
 
 
 def rank_roles(run_dir: Path) -> dict[int, str]:
     roles = {}
-    for path in (run_dir / "pids").glob("rank-*.pid"):
+    for path in RunLayout(run_dir).pids.glob("rank-*.pid"):
         roles[int(path.stem.split("-")[1])] = str(json.loads(path.read_text())["role"])
     return roles
 
@@ -268,7 +272,7 @@ def reap_ranks(run_dir: Path, grace_s: float = 5.0) -> list[int]:
 def rank_groups(run_dir: Path) -> dict[int, int]:
     """Each rank's process group, where the rank leads its own (mpiexec starts each rank in a new group)."""
     groups = {}
-    for path in (run_dir / "pids").glob("rank-*.pid"):
+    for path in RunLayout(run_dir).pids.glob("rank-*.pid"):
         info = json.loads(path.read_text())
         if info.get("pgid") == info["pid"]:
             groups[int(path.stem.split("-")[1])] = int(info["pgid"])
@@ -290,7 +294,7 @@ def failure_cause(run_dir: Path, watch: WorldWatch) -> str | None:
     roles = rank_roles(run_dir)
     events = [
         (f["time"], f"rank {f['rank']} ({f['role']}) failed: {f['message']}")
-        for f in (json.loads(p.read_text()) for p in (run_dir / "failures").glob("rank-*.json"))
+        for f in (json.loads(p.read_text()) for p in RunLayout(run_dir).failures.glob("rank-*.json"))
     ]
     events += [
         (watch.vanished_at[r], f"rank {r} ({roles.get(r, '?')}) died without reporting an error")
@@ -304,10 +308,10 @@ def report(
 ) -> int:
     failures = (
         sorted(
-            (json.loads(p.read_text()) for p in (run_dir / "failures").glob("rank-*.json")),
+            (json.loads(p.read_text()) for p in RunLayout(run_dir).failures.glob("rank-*.json")),
             key=lambda f: f["time"],
         )
-        if (run_dir / "failures").exists()
+        if RunLayout(run_dir).failures.exists()
         else []
     )
     if failures:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -30,13 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollart_hpc.cluster import slurm
 from rollart_hpc.contracts.atomic import atomic_write_bytes
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 
 if TYPE_CHECKING:
     from rollart_hpc.config.schema import Config
 
-RESTARTS = "restarts.jsonl"
+RESTARTS = RunLayout.RESTARTS_NAME
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def check_resumable_run(run_dir: Path, config: Config) -> None:
     from rollart_hpc.controller.checkpoint import check_resumable, latest_valid
     from rollart_hpc.models.validate import check_model_dir
 
-    prepared = run_dir / "model" / "init"
+    prepared = RunLayout(run_dir).model / "init"
     if (prepared / "config.json").exists():
         check_model_dir(prepared)
     elif config.model.source == "path":
@@ -148,7 +149,7 @@ def run_with_restarts(
 
 def step_failure_cause(run_dir: Path, status: int) -> str:
     """The first failure a rank reported (failures/), else the srun step's exit status."""
-    reports = [json.loads(p.read_text()) for p in (run_dir / "failures").glob("rank-*.json")]
+    reports = [json.loads(p.read_text()) for p in RunLayout(run_dir).failures.glob("rank-*.json")]
     if reports:
         first = min(reports, key=lambda f: f["time"])
         return f"rank {first['rank']} ({first['role']}) failed: {first['message']}"
@@ -163,7 +164,7 @@ def restart_after_failed_step(run_dir: Path, status: int, max_restarts: int) -> 
 
     rows = read_restarts(run_dir)
     cause = step_failure_cause(run_dir, status)
-    if (run_dir / "summary.json").exists() or len(rows) >= max_restarts:
+    if RunLayout(run_dir).summary.exists() or len(rows) >= max_restarts:
         print(f"[slurm] not restarting: {len(rows)} of {max_restarts} restarts used ({cause})", flush=True)
         return False
     try:
@@ -176,8 +177,8 @@ def restart_after_failed_step(run_dir: Path, status: int, max_restarts: int) -> 
         print(f"[slurm] not restarting: the same failure repeated at step {step}: {cause}", flush=True)
         return False
     row = record_restart(run_dir, step, cause)
-    if (run_dir / "failures").exists():
-        shutil.rmtree(run_dir / "failures")  # this attempt's reports are not the next one's
+    if RunLayout(run_dir).failures.exists():
+        shutil.rmtree(RunLayout(run_dir).failures)  # this attempt's reports are not the next one's
     print(f"[slurm] restart {row['restart']}/{max_restarts} from step {step} after: {cause}", flush=True)
     return True
 
@@ -189,7 +190,7 @@ def requeue_job() -> None:
     job_id = read_process_env().slurm_job_id
     if job_id is None:
         raise UsageError("--requeue outside a SLURM job")
-    subprocess.run(["scontrol", "requeue", job_id], timeout=60, check=True)
+    slurm.requeue(job_id)
 
 
 def job_script_main(argv: list[str]) -> int:

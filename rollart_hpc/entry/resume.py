@@ -16,6 +16,7 @@ import argparse
 from pathlib import Path
 
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.entry import restarts
 
 LAYOUT_KEYS = (
@@ -58,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
     max_restarts = restarts.checked_count(args.max_restarts)
     if not (run_dir / RESOLVED_NAME).exists():
         raise UsageError(f"{run_dir} is not a run directory (no {RESOLVED_NAME})")
-    if (run_dir / "summary.json").exists():
+    if RunLayout(run_dir).summary.exists():
         raise UsageError(f"{run_dir} holds a finished run (summary.json); nothing to resume")
     if args.overrides:
         _relayout(run_dir, args.overrides)

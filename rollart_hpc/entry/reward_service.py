@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollart_hpc.cluster import slurm
 from rollart_hpc.contracts.errors import UsageError
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ def submit(args: argparse.Namespace) -> int:
     script = render_service_job(job)
     service_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(service_dir / SERVICE_SCRIPT, script.encode())
-    ondemand.write_launch(service_dir, ["sbatch", "--parsable", str(service_dir / SERVICE_SCRIPT)], REPO_ROOT)
+    ondemand.write_launch(service_dir, slurm.sbatch_command(str(service_dir / SERVICE_SCRIPT)), REPO_ROOT)
     job_id = ondemand.ensure_started(service_dir, by="launch.py reward-service --slurm")
     if job_id is None:
         live = ondemand.read_json(service_dir / ondemand.JOB_FILE) or {}

@@ -32,14 +32,15 @@ import argparse
 import json
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollart_hpc.cluster import slurm
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 
 if TYPE_CHECKING:
     from rollart_hpc.cluster.plan import RunPlan
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
     from rollart_hpc.config.schema import Config
 
 JOB_RECORD = "slurm_job.json"
-SBATCH_TIMEOUT_S = 60.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,7 +119,7 @@ def requeue_after_stop(run_dir: Path, max_requeues: int) -> None:
         f"(restart {restarts + 1} of {max_requeues})",
         flush=True,
     )
-    subprocess.run(["scontrol", "requeue", env.slurm_job_id], timeout=SBATCH_TIMEOUT_S, check=True)
+    slurm.requeue(env.slurm_job_id)
     raise SystemExit(0)
 
 
@@ -167,17 +167,15 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def require_slurm() -> None:
-    for tool in ("sbatch", "srun"):
-        if shutil.which(tool) is None:
-            raise UsageError(f"{tool} not found: submit needs a SLURM client (--dry-run works without one)")
+    slurm.require_tools("sbatch", "srun", why="submit needs a SLURM client (--dry-run works without one)")
 
 
 def prepare_run_dir(config: Any, run_dir: Path) -> None:
     """Write the resolved config; drop failure records of an earlier attempt in the same run dir."""
     from rollart_hpc.config import write_resolved
 
-    if (run_dir / "failures").exists():
-        shutil.rmtree(run_dir / "failures")
+    if RunLayout(run_dir).failures.exists():
+        shutil.rmtree(RunLayout(run_dir).failures)
     write_resolved(config, run_dir)
 
 
@@ -196,8 +194,8 @@ def submit_hetjob(spec: JobSpec, plan: RunPlan, config: Any, dry_run: bool, out:
     if dry_run:
         return show_dry_run(spec, plan, config, components, script, out)
     require_slurm()
-    check_components_fit(components, partition_nodes())
-    check_gpus_fit(components, partition_gpus())
+    check_components_fit(components, slurm.partition_nodes())
+    check_gpus_fit(components, slurm.partition_gpus())
     prepare_run_dir(config, spec.run_dir)
     script_path = spec.run_dir / HETJOB_SCRIPT
     atomic_write_bytes(script_path, script.encode())
@@ -246,63 +244,9 @@ def job_text(plan: RunPlan, components: tuple[HetComponent, ...], script: str) -
     return script + "".join(f"# {line}\n" for line in placement_table(placements).splitlines())
 
 
-def partition_gpus() -> dict[str, int]:
-    """The most GPUs one node of each partition has (sinfo's gres); the default partition also as ''."""
-    proc = subprocess.run(
-        ["sinfo", "-h", "-N", "-o", "%P %G"],
-        capture_output=True,
-        text=True,
-        timeout=SBATCH_TIMEOUT_S,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise UsageError(f"sinfo failed: {proc.stderr.strip()}")
-    gpus: dict[str, int] = {}
-    for line in proc.stdout.splitlines():
-        partition, gres = line.split(maxsplit=1)
-        count = sum(int(g.split("(")[0].split(":")[-1]) for g in gres.split(",") if g.startswith("gpu:"))
-        for name in [partition.rstrip("*")] + ([""] if partition.endswith("*") else []):
-            gpus[name] = max(gpus.get(name, 0), count)
-    return gpus
-
-
-def partition_nodes() -> dict[str, list[str]]:
-    """Nodes of every partition from `sinfo`; the default partition is also listed under ''."""
-    proc = subprocess.run(
-        ["sinfo", "-h", "-N", "-o", "%N %P"],
-        capture_output=True,
-        text=True,
-        timeout=SBATCH_TIMEOUT_S,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise UsageError(f"sinfo failed: {proc.stderr.strip()}")
-    nodes: dict[str, list[str]] = {}
-    for line in proc.stdout.splitlines():
-        node, partition = line.split()
-        names = [partition.rstrip("*")] + ([""] if partition.endswith("*") else [])
-        for name in names:
-            if node not in nodes.setdefault(name, []):
-                nodes[name].append(node)
-    return nodes
-
-
 def sbatch(script_path: Path) -> str:
     """Submit a script; returns the job id. A refusal by sbatch is reported as a usage error."""
-    proc = subprocess.run(
-        ["sbatch", "--parsable", str(script_path)],
-        capture_output=True,
-        text=True,
-        timeout=SBATCH_TIMEOUT_S,
-        check=False,
-    )
-    if proc.returncode != 0:
-        said = "; ".join(line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip())
-        raise UsageError(f"sbatch refused {script_path}: {said}")
-    job_id = proc.stdout.strip().split(";")[0]
-    if not job_id.isdigit():
-        raise RuntimeError(f"sbatch printed no job id: {proc.stdout!r}")
-    return job_id
+    return slurm.sbatch(str(script_path))
 
 
 def submit_single(
@@ -326,8 +270,8 @@ def submit_single(
             print(json.dumps(params, indent=1, sort_keys=True))
         return 0
     require_slurm()
-    check_single_fit(params.get("partition", ""), nodes, partition_nodes())
-    check_gpus_fit((component,), partition_gpus())
+    check_single_fit(params.get("partition", ""), nodes, slurm.partition_nodes())
+    check_gpus_fit((component,), slurm.partition_gpus())
     prepare_run_dir(config, spec.run_dir)
     job_id, logs = submitit_submit(spec, params)
     record = job_record(spec, plan, "submitit", job_id, logs)

@@ -47,7 +47,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollart_hpc.cluster import slurm
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.entry import restarts
 
 if TYPE_CHECKING:
@@ -89,7 +91,7 @@ def warm_start_run(seed: int) -> SweepRun:
 
 def warm_model_overrides(warm_run_dir: Path) -> tuple[str, ...]:
     """Overrides that start a run from the warm model of a finished warm-start run (no supervised steps)."""
-    warm = warm_run_dir / "model" / "warm"
+    warm = RunLayout(warm_run_dir).model / "warm"
     return ('model.source="path"', f"model.path={json.dumps(str(warm))}", "trainer.sft_steps=0")
 
 
@@ -218,7 +220,7 @@ def run_state(run_dir: Path, finish_marker: str) -> str:
     if (run_dir / finish_marker).exists():
         return FINISHED
     started = any((run_dir / name).exists() for name in RUN_OUTPUTS) or any(
-        (run_dir / "checkpoints").glob("step-*")
+        RunLayout(run_dir).checkpoints.glob("step-*")
     )
     return RESUME if (run_dir / RESOLVED_NAME).exists() and started else FRESH
 
@@ -449,10 +451,10 @@ def submit_array(
                 f"{components[run.name].describe()}, {todo[0].name} {first.describe()}"
             )
     submit.require_slurm()
-    nodes_by_partition = submit.partition_nodes()
+    nodes_by_partition = slurm.partition_nodes()
     check_single_fit(first.partition, args.nodes, nodes_by_partition)
     check_cpus_fit(first, nodes_by_partition[first.partition])
-    check_gpus_fit((first,), submit.partition_gpus())
+    check_gpus_fit((first,), slurm.partition_gpus())
     specs = {}
     for run in todo:
         config, run_dir = configs[run.name], out / run.name
@@ -460,7 +462,7 @@ def submit_array(
         if states[run.name] == RESUME:
             restarts.check_resumable_run(run_dir, config)
         submit.prepare_run_dir(config, run_dir)  # the same config (resolve_runs checked it); drops failures/
-        atomic_write_bytes(run_dir / "job.sbatch", render_job(spec, (first,)).encode())
+        atomic_write_bytes(RunLayout(run_dir).job_script, render_job(spec, (first,)).encode())
         specs[run.name] = spec
     name = f"{configs[todo[0].name].run.name}-sweep"
     script = render_array_job(
@@ -498,21 +500,12 @@ def array_component(config: Config, nodes: int) -> HetComponent:
 def check_cpus_fit(component: HetComponent, nodes: Sequence[str]) -> None:
     """UsageError when the element's tasks need more CPUs than its partition's nodes have together (sbatch
     would accept the array and leave it pending for ever)."""
-    from rollart_hpc.entry.submit import SBATCH_TIMEOUT_S
-
-    proc = subprocess.run(
-        ["sinfo", "-h", "-N", "-o", "%N %c"],
-        capture_output=True,
-        text=True,
-        timeout=SBATCH_TIMEOUT_S,
-        check=False,
-    )
-    cpus = {
-        line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines() if len(line.split()) == 2
-    }
+    cpus = slurm.node_cpus()
+    if cpus is None:
+        return
     have = sum(cpus.get(node, 0) for node in nodes)
     need = component.num_ranks * max(component.cpus_per_task, 1)
-    if proc.returncode == 0 and need > have:
+    if need > have:
         where = repr(component.partition) if component.partition else "(default)"
         raise UsageError(
             f"each run needs {need} CPUs ({component.num_ranks} ranks), and partition {where} has {have}: "

@@ -23,6 +23,7 @@ from rollart_hpc.cluster.world import World, make_world
 from rollart_hpc.config import read_resolved
 from rollart_hpc.config.schema import ClusterConfig, Config
 from rollart_hpc.contracts.atomic import atomic_write_json
+from rollart_hpc.contracts.rundir import RunLayout
 
 # job -> module with `main(config, world, run_dir)`: explicit, keyed by `run.job`.
 JOBS: dict[str, str] = {
@@ -33,7 +34,7 @@ JOBS: dict[str, str] = {
 
 
 def failure_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / "failures" / f"rank-{rank}.json"
+    return RunLayout(run_dir).failure(rank)
 
 
 def record_failure(run_dir: Path, world: World, exc: BaseException) -> None:
@@ -84,7 +85,7 @@ def run_rank(run_dir: Path) -> int:
     config: Config = read_resolved(run_dir)
     plan = make_plan(config.roles)
     world = make_world(plan, read_process_env(), config.cluster.peer_timeout_s)
-    pid_file = run_dir / "pids" / f"rank-{world.rank}.pid"
+    pid_file = RunLayout(run_dir).pid_file(world.rank)
     record = {"pid": os.getpid(), "pgid": os.getpgid(0), "role": world.role, "node": world.env.node_name}
     atomic_write_json(pid_file, record)
     job = importlib.import_module(JOBS[config.run.job])

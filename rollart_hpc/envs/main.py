@@ -28,6 +28,7 @@ from rollart_hpc.contracts.atomic import atomic_write_bytes
 from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
 from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.contracts.records import EpisodeTicket, RankStats, Ready, WorkerStart
+from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.envs.worker import EnvWorker, EnvWorkerConfig
 from rollart_hpc.metrics.timeline import Timeline
 from rollart_hpc.routing.router import PoolSpec, Router, episode_of
@@ -152,7 +153,7 @@ class EnvRank:
             "decisions": router.decisions,
             "fallback_events": router.fallback_events,
         }
-        target = run_dir / "routing" / f"env-{self.ctx.world.rank}.json"
+        target = RunLayout(run_dir).routing / f"env-{self.ctx.world.rank}.json"
         target.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(target, json.dumps(report, indent=1, sort_keys=True).encode())
 

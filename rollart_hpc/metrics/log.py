@@ -6,6 +6,8 @@ import logging
 import sys
 from pathlib import Path
 
+from rollart_hpc.contracts.rundir import RunLayout
+
 
 def rank_logger(role: str, rank: int, run_dir: Path | None = None) -> logging.Logger:
     logger = logging.getLogger(f"rollart.{role}.{rank}")
@@ -18,8 +20,8 @@ def rank_logger(role: str, rank: int, run_dir: Path | None = None) -> logging.Lo
     stream.setFormatter(fmt)
     logger.addHandler(stream)
     if run_dir is not None:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(run_dir / "logs" / f"rank-{rank}.log")
+        RunLayout(run_dir).logs.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(RunLayout(run_dir).logs / f"rank-{rank}.log")
         file_handler.setFormatter(fmt)
         logger.addHandler(file_handler)
     return logger

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.metrics.run_metrics import read_metrics
 from rollart_hpc.metrics.timeline import RankTimeline, busy_fraction, merge_intervals, read_timelines, window
 
@@ -57,11 +58,11 @@ def main(args: argparse.Namespace) -> int:
 def load_run(run_dir: Path) -> RunData:
     """Read a run directory; UsageError (one line) when it is not one."""
     run_dir = Path(run_dir)
-    config_path = run_dir / "config.resolved.toml"
+    config_path = RunLayout(run_dir).config
     if not config_path.is_file():
         raise UsageError(f"{run_dir} is not a run directory (no config.resolved.toml)")
     config = tomllib.loads(config_path.read_text(encoding="utf-8"))
-    summary_path = run_dir / "summary.json"
+    summary_path = RunLayout(run_dir).summary
     summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.exists() else None
     # Optimizer steps and evaluation rounds (kind "eval", see run_metrics.is_eval_row) apart.
     every = read_metrics(run_dir)
@@ -298,7 +299,7 @@ def _summary_lines(summary: dict[str, Any] | None) -> list[str]:
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     """Plots and report.md for a run (finished or going); returns the path of report.md."""
     run = load_run(run_dir)
-    out = Path(out_dir) if out_dir is not None else run.run_dir / "report"
+    out = Path(out_dir) if out_dir is not None else RunLayout(run.run_dir).report
     out.mkdir(parents=True, exist_ok=True)
     plots, missing = make_plots(run, out)
     from rollart_hpc.contracts.atomic import atomic_write_bytes

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.contracts.rundir import RunLayout
 
 
 class MetricsWriter:
@@ -28,7 +29,7 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(RunLayout(run_dir).tensorboard))
 
     def log(self, row: Mapping[str, Any]) -> None:
         self._fh.write(json.dumps(row, sort_keys=True) + "\n")
@@ -52,7 +53,7 @@ def is_eval_row(row: Mapping[str, Any]) -> bool:
     return row.get("kind") == "eval"
 
 
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE = RunLayout.METRICS_NAME
 
 
 def read_rows(path: Path, *, skip_bad: bool = False) -> list[dict[str, Any]]:

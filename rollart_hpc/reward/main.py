@@ -26,6 +26,7 @@ from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.contracts.records import RankStats, Ready, Trajectory
+from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.metrics.timeline import Timeline
 
 
@@ -112,7 +113,7 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     scorer = make_scorer(config, ctx.world.rank, run_dir)
     busy_s = asyncio.run(serve(ctx, scorer))
     stats = scorer.stats()
-    atomic_write_json(run_dir / "reward" / f"rank-{ctx.world.rank}.json", {"busy_s": busy_s, **stats})
+    atomic_write_json(RunLayout(run_dir).reward / f"rank-{ctx.world.rank}.json", {"busy_s": busy_s, **stats})
     failures, rebuilds = scorer.rank_counts()
     ctx.mailbox.send(RankStats("reward", busy_s, failures, rebuilds), 0, Tag.STATS)
     ctx.mailbox.flush()

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rollart_hpc.cluster import slurm
 from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.reward.wire import ADDRESS_FILE
 
@@ -58,20 +59,8 @@ def can_start(service_dir: Path) -> bool:
 
 
 def squeue_state(job_id: str) -> str | None:
-    """The job's state while squeue lists it, None once it left the queue. An squeue that fails for
-    another reason raises (a caller that cannot tell must not submit a second job)."""
-    proc = subprocess.run(
-        ["squeue", "-h", "-j", job_id, "-o", "%T"],
-        capture_output=True,
-        text=True,
-        timeout=COMMAND_TIMEOUT_S,
-        check=False,
-    )
-    if proc.returncode != 0:
-        if "Invalid job id" in proc.stderr:
-            return None
-        raise RuntimeError(f"squeue -j {job_id} failed: {proc.stderr.strip()}")
-    return proc.stdout.strip() or None
+    """The job's state while squeue lists it, None once it left the queue (`cluster.slurm.job_state`)."""
+    return slurm.job_state(job_id)
 
 
 def submit(service_dir: Path, by: str) -> str:

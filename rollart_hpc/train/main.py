@@ -30,6 +30,7 @@ from rollart_hpc.contracts.records import (
     Trajectory,
     WeightAnnouncement,
 )
+from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.metrics.timeline import Timeline
 from rollart_hpc.tasks.agent_loop import AgentConfig
 from rollart_hpc.tasks.build import family_specs, run_tasks
@@ -228,11 +229,11 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
         warm_start(config, ctx, trainer, AutoTokenizer.from_pretrained(model_init))
         if config.trainer.rl_fresh_optimizer:
             trainer.reset_optimizer()
-        current = run_dir / "model" / "warm"
+        current = RunLayout(run_dir).model / "warm"
     else:
         step = trainer.load_checkpoint(start.resume)
         ctx.log.info(f"restored trainer checkpoint {start.resume} (optimizer step {step})")
-        current = run_dir / "model" / f"resumed-{Path(start.resume).parent.name}"
+        current = RunLayout(run_dir).model / f"resumed-{Path(start.resume).parent.name}"
     set_lr(trainer, config.trainer.lr)
     trainer.save_hf(current)  # all ranks gather; the first trainer writes
     ctx.mailbox.send(Ready(str(current), time.perf_counter() - started), 0, Tag.READY)
