@@ -184,4 +184,6 @@ def test_trainer_settings_from_the_trainer_section():
     cfg = TrainerConfig.from_config(section.trainer, lr=2e-4, seed=7, timeout_s=30.0)
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.grad_clip) == (2e-4, 0.1, 0.5)
     assert (cfg.micro_batch_tokens, cfg.seed, cfg.collective_timeout_s) == (512, 7, 30.0)
-    assert cfg.compute_dtype == "float32"
+    assert cfg.precision == "fp32"
+    bf16 = build(Config, {"trainer": {"precision": "bf16"}}).trainer
+    assert TrainerConfig.from_config(bf16, lr=2e-4, seed=7, timeout_s=30.0).precision == "bf16"
