@@ -3,15 +3,17 @@
 `wrap(gpt, cfg)` returns the model in Megatron's `DistributedDataParallel` (contiguous fp32 gradient
 buffers, bucketed and, with `overlap_grad_reduce`, overlapped with backward) and its optimizer from
 `get_megatron_optimizer` (Adam, the distributed optimizer when asked: Adam states sharded over the
-data-parallel ranks; gradient clipping by the global norm over all shards). With `precision` "bf16" the
-bf16 model sits in Megatron's `Float16Module` inside DDP (gradients still accumulate and reduce in fp32)
-and the optimizer is Megatron's mixed-precision one (`OptimizerConfig.bf16`): fp32 main parameters,
-fp32 main gradients and fp32 Adam states, the bf16 parameters copied from the main ones after each step. The model config is wired so
+data-parallel ranks; gradient clipping by the global norm over all shards). The model config is wired so
 that `get_forward_backward_func()` finalises gradients after the last micro-batch: DP reduction,
 tied-embedding reduction between the first and last pipeline stage. The model runs with
 `calculate_per_token_loss`, under which DDP *sums* over data-parallel ranks and the schedule never
 divides a micro-batch's loss by the micro-batch count; the trainer's loss function divides by the step's
 global action-token count itself and reports a token count of 0, so Megatron adds no second division.
+
+With `precision` "bf16" the bf16 model sits in Megatron's `Float16Module` inside DDP (gradients still
+accumulate and reduce in fp32) and the optimizer is Megatron's mixed-precision one (`OptimizerConfig.bf16`):
+fp32 main parameters, fp32 main gradients and fp32 Adam states, the bf16 parameters copied from the main
+ones after each step.
 
 Without a learning-rate scheduler Megatron leaves weight decay on norms and biases (their group's
 `wd_mult` is 0 but only the scheduler applies it); `set_hyperparameters` writes the effective values.
