@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.mpi]
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
 def test_bf16_run_publishes_and_serves_bf16_weights(tmp_path: Path) -> None:
