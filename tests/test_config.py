@@ -184,4 +184,17 @@ def test_trainer_settings_from_the_trainer_section():
     cfg = TrainerConfig.from_config(section.trainer, lr=2e-4, seed=7, timeout_s=30.0)
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.grad_clip) == (2e-4, 0.1, 0.5)
     assert (cfg.micro_batch_tokens, cfg.seed, cfg.collective_timeout_s) == (512, 7, 30.0)
-    assert cfg.compute_dtype == "float32"
+    assert cfg.precision == "fp32"
+    bf16 = build(Config, {"trainer": {"precision": "bf16"}}).trainer
+    assert TrainerConfig.from_config(bf16, lr=2e-4, seed=7, timeout_s=30.0).precision == "bf16"
+
+
+def test_engine_dtype_is_the_published_dtype_unless_vllm_names_one():
+    from rollart_hpc.inference.engines import engine_dtype
+
+    builtin = build(Config, {}).rollout
+    assert (engine_dtype(builtin, "fp32"), engine_dtype(builtin, "bf16")) == ("float32", "bfloat16")
+    vllm = build(Config, {"rollout": {"engine": "vllm"}}).rollout
+    assert (engine_dtype(vllm, "fp32"), engine_dtype(vllm, "bf16")) == ("float32", "bfloat16")
+    pinned = build(Config, {"rollout": {"engine": "vllm", "vllm": {"dtype": "float32"}}}).rollout
+    assert engine_dtype(pinned, "bf16") == "float32"

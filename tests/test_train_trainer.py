@@ -64,6 +64,8 @@ def _trainer(
     micro_batch_tokens: int = 4096,
     ppo_epochs: int = 1,
     num_minibatches: int = 1,
+    precision: str = "fp32",
+    distributed_optimizer: bool = True,
 ) -> Trainer:
     optim = OptimConfig(lr=lr, weight_decay=0.01, grad_clip=1.0)
     cfg = TrainerConfig(
@@ -71,6 +73,8 @@ def _trainer(
         micro_batch_tokens=micro_batch_tokens,
         ppo_epochs=ppo_epochs,
         num_minibatches=num_minibatches,
+        precision=precision,
+        distributed_optimizer=distributed_optimizer,
     )
     return Trainer(model_dir, cfg)
 
@@ -337,3 +341,47 @@ def test_fused_loss_equals_eager_on_packed_batches_with_observation_tokens(model
     assert float(g_eager.abs().max()) > 0
     assert float((g_fused - g_eager).norm() / g_eager.norm()) < 1e-5
     torch.testing.assert_close(g_fused, g_eager, rtol=1e-5, atol=1e-7)
+
+
+def _main_params(trainer: Trainer) -> list[torch.Tensor]:
+    """The optimizer's main parameters (the copies Adam updates)."""
+    return [
+        p for o in parallel.torch_optimizers(trainer.optimizer) for g in o.param_groups for p in g["params"]
+    ]
+
+
+def test_bf16_trainer_matches_fp32_with_fp32_main_params_and_half_the_published_bytes(
+    model_dir: Path,
+) -> None:
+    fp32, bf16 = _trainer(model_dir), _trainer(model_dir, precision="bf16")
+    batch = _batch(fp32.config.vocab_size, [24, 16, 30], [0.0, 0.0, 0.0], seed=11)
+    loss32, loss16 = fp32.sft_step(batch)["loss"], bf16.sft_step(batch)["loss"]
+    assert loss16 == pytest.approx(loss32, rel=0.02) and loss16 != loss32  # same weights, bf16 compute
+    assert all(p.dtype == torch.bfloat16 for p in bf16.params)
+    assert all(p.main_grad.dtype == torch.float32 for p in bf16.params)  # type: ignore[attr-defined]
+    mains = _main_params(bf16)
+    assert sum(m.numel() for m in mains) == sum(p.numel() for p in bf16.params)
+    assert all(m.dtype == torch.float32 for m in mains)
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in mains)  # below bf16 resolution
+    states = [s for o in parallel.torch_optimizers(bf16.optimizer) for s in o.state.values()]
+    assert states and all(s[k].dtype == torch.float32 for s in states for k in ("exp_avg", "exp_avg_sq"))
+    published32, published16 = fp32.hf_state_dict(), bf16.hf_state_dict()
+    assert set(published16) == set(published32)
+    assert all(t.dtype == torch.bfloat16 for t in published16.values())
+    nbytes = [sum(t.numel() * t.element_size() for t in w.values()) for w in (published32, published16)]
+    assert nbytes[1] * 2 == nbytes[0]
+
+
+@pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["distributed", "local"])
+def test_bf16_checkpoint_resume_restores_the_fp32_main_params(
+    model_dir: Path, tmp_path: Path, distributed_optimizer: bool
+) -> None:
+    first = _trainer(model_dir, precision="bf16", distributed_optimizer=distributed_optimizer)
+    _train(first, range(2))
+    path = first.save_checkpoint(tmp_path / "ckpt")
+    resumed = _trainer(model_dir, precision="bf16", distributed_optimizer=distributed_optimizer)
+    assert resumed.load_checkpoint(path) == 2
+    assert all(torch.equal(a, b) for a, b in zip(_params(resumed), _params(first), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(_main_params(resumed), _main_params(first), strict=True))
+    assert _train(resumed, range(2, 4)) == _train(first, range(2, 4))
+    assert all(torch.equal(a, b) for a, b in zip(_params(resumed), _params(first), strict=True))

@@ -8,15 +8,27 @@ from pathlib import Path
 from rollart_hpc.config.schema import RolloutConfig
 from rollart_hpc.inference.api import Engine
 
-EngineBuilder = Callable[[RolloutConfig, Path, int, int], Engine]
+EngineBuilder = Callable[[RolloutConfig, Path, int, int, str], Engine]
+TRAINING_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # trainer.precision -> the published dtype
 
 
-def build_builtin(rollout: RolloutConfig, model_dir: Path, version: int, seed: int) -> Engine:
-    """The built-in torch engine (`rollart_hpc.inference.engine.LLMEngine`)."""
+def engine_dtype(rollout: RolloutConfig, precision: str) -> str:
+    """The dtype ("float32" or "bfloat16") an engine holds its weights and computes in: the dtype the
+    trainer publishes (`trainer.precision`), or for vLLM `rollout.vllm.dtype` unless 'auto'."""
+    if rollout.engine == "vllm" and rollout.vllm.dtype != "auto":
+        return rollout.vllm.dtype
+    return TRAINING_DTYPES[precision]
+
+
+def build_builtin(rollout: RolloutConfig, model_dir: Path, version: int, seed: int, dtype: str) -> Engine:
+    """The built-in torch engine (`rollart_hpc.inference.engine.LLMEngine`) in `dtype`."""
+    import torch
+
     from rollart_hpc.inference.engine import LLMEngine
 
     return LLMEngine.from_pretrained(
         model_dir,
+        dtype=getattr(torch, dtype),
         num_slots=rollout.num_slots,
         max_model_len=rollout.max_model_len,
         version=version,
@@ -26,8 +38,8 @@ def build_builtin(rollout: RolloutConfig, model_dir: Path, version: int, seed: i
     )
 
 
-def build_vllm(rollout: RolloutConfig, model_dir: Path, version: int, seed: int) -> Engine:
-    """The vLLM adapter (`rollart_hpc.inference.vllm_engine.VLLMEngine`); imports vllm."""
+def build_vllm(rollout: RolloutConfig, model_dir: Path, version: int, seed: int, dtype: str) -> Engine:
+    """The vLLM adapter (`rollart_hpc.inference.vllm_engine.VLLMEngine`) in `dtype`; imports vllm."""
     from rollart_hpc.inference.vllm_engine import VLLMEngine
 
     return VLLMEngine(
@@ -37,15 +49,19 @@ def build_vllm(rollout: RolloutConfig, model_dir: Path, version: int, seed: int)
         version=version,
         seed=seed,
         tensor_parallel_size=rollout.tensor_parallel_size,
+        dtype=dtype,
     )
 
 
 ENGINES: dict[str, EngineBuilder] = {"builtin": build_builtin, "vllm": build_vllm}
 
 
-def build_engine(rollout: RolloutConfig, model_dir: Path, version: int, seed: int) -> Engine:
-    """The engine named by `rollout.engine`, loaded from `model_dir` as policy `version`.
+def build_engine(
+    rollout: RolloutConfig, model_dir: Path, version: int, seed: int, dtype: str = "float32"
+) -> Engine:
+    """The engine named by `rollout.engine`, loaded from `model_dir` as policy `version`, in `dtype`
+    (`engine_dtype`: the rank loop passes the dtype the trainer publishes).
 
     `seed` is the engine's sampling seed (the rank loop passes `run.seed + world rank`).
     """
-    return ENGINES[rollout.engine](rollout, model_dir, version, seed)
+    return ENGINES[rollout.engine](rollout, model_dir, version, seed, dtype)

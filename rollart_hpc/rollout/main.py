@@ -35,7 +35,7 @@ from rollart_hpc.config.schema import Config, RolloutConfig
 from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.contracts.records import RankLoad, RankStats, Ready, WeightAnnouncement, WorkerStart
 from rollart_hpc.inference.api import Engine
-from rollart_hpc.inference.engines import build_engine
+from rollart_hpc.inference.engines import build_engine, engine_dtype
 from rollart_hpc.metrics.timeline import Timeline
 from rollart_hpc.rollout.costs import CostProfile, StepMeter
 from rollart_hpc.rollout.resilient import FaultInjector, ResilientEngine, arm_fault_signal
@@ -176,9 +176,11 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     model_dir = Path(start.model_dir)
     receiver = GroupWeightReceiver.open(group)
     seed = config.run.seed + ctx.world.rank
-    engine = resilient_engine(rollout, model_dir, start.version, seed, ctx.log.warning)
+    dtype = engine_dtype(rollout, config.trainer.precision)
+    engine = resilient_engine(rollout, model_dir, start.version, seed, ctx.log.warning, dtype)
     ctx.log.info(
-        f"{rollout.engine} engine ready: pool {pool.name}, {rollout.num_slots} slots, model {model_dir}"
+        f"{rollout.engine} engine ready: pool {pool.name}, {rollout.num_slots} slots, {dtype}, "
+        f"model {model_dir}"
     )
     ctx.mailbox.send(Ready(), 0, Tag.READY)
     meter = StepMeter(CostProfile(pool.prefill_cost_scale, pool.decode_cost_scale))
@@ -204,9 +206,15 @@ def pool_rollout(rollout: RolloutConfig, pool: RolloutPoolConfig) -> RolloutConf
 
 
 def resilient_engine(
-    rollout: RolloutConfig, model_dir: Path, version: int, seed: int, log: Callable[[str], None]
+    rollout: RolloutConfig,
+    model_dir: Path,
+    version: int,
+    seed: int,
+    log: Callable[[str], None],
+    dtype: str = "float32",
 ) -> ResilientEngine:
-    """The rank's engine, rebuilt from `model_dir` at `version` (then the newest weights) when it fails.
+    """The rank's engine in `dtype`, rebuilt from `model_dir` at `version` (then the newest weights) when
+    it fails.
     Faults are injected at random steps (`rollout.fault_step_prob`) and, while rebuilds are allowed, on
     `ENGINE_FAULT_SIGNAL`."""
     faults = None
@@ -216,6 +224,6 @@ def resilient_engine(
         arm_fault_signal(faults)
 
     def build() -> Engine:
-        return build_engine(rollout, model_dir, version, seed)
+        return build_engine(rollout, model_dir, version, seed, dtype)
 
     return ResilientEngine(build, rollout.max_engine_rebuilds, log, faults)

@@ -7,7 +7,8 @@ directory only when the marker exists. All ranks call save and load together (co
 
 Tensors are stored under their global (unsharded) keys, so a checkpoint saved at one (TP, PP, DP)
 layout loads at any other: the model through `GPTModel.sharded_state_dict()`, the optimizer through
-Megatron's `sharded_state_dict` (the distributed optimizer in its `fully_reshardable` form). Without
+Megatron's `sharded_state_dict` (the distributed optimizer in its `fully_reshardable` form; under bf16
+training its state holds the fp32 main parameters, which a resume restores exactly). Without
 Apex/Transformer Engine Megatron's optimizer load path needs four repairs, applied here: a never-stepped
 optimizer gets zero Adam states (so its load template exists), a loaded `step` is never copied from the
 template, the fp32 shard copy runs without autograd, and every parameter gets its own `step` tensor (a

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from rollart_hpc.config.learning import TrainingConfig
 
-COMPUTE_DTYPES = ("float32", "bfloat16")
+PRECISIONS = ("fp32", "bf16")
 LOSS_IMPLS = ("fused", "eager")
 
 
@@ -38,7 +38,8 @@ class OptimConfig:
 @dataclass(frozen=True)
 class TrainerConfig:
     """micro_batch_tokens: padded tokens (rows x longest row) per forward/backward pass.
-    compute_dtype: "float32", or "bfloat16" (autocast; GPU only; master weights and optimizer stay fp32).
+    precision: "fp32", or "bf16" (Megatron bf16 training: bf16 parameters and compute, fp32 main
+    parameters, main gradients and Adam states in the optimizer; CPU and CUDA).
     seed: Megatron's RNG tracker seed. collective_timeout_s: bound on every collective and barrier.
     ppo_epochs, num_minibatches: PPO updates of an RL step (epochs over the batch x minibatches per
     epoch; `Trainer.rl_step`); 1 and 1 = one optimizer step per batch.
@@ -52,7 +53,7 @@ class TrainerConfig:
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     micro_batch_tokens: int = 4096
-    compute_dtype: str = "float32"
+    precision: str = "fp32"
     seed: int = 0
     collective_timeout_s: float = 600.0
     ppo_epochs: int = 1
@@ -81,8 +82,8 @@ class TrainerConfig:
             )
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
 
@@ -104,4 +105,5 @@ class TrainerConfig:
             loss_impl=section.loss_impl,
             distributed_optimizer=section.distributed_optimizer,
             overlap_grad_reduce=section.overlap_grad_reduce,
+            precision=section.precision,
         )

@@ -10,6 +10,10 @@ rank's log-sum-exp and target logit are combined over the TP group (max, then su
 all-reduces of [N] per call), and the backward recomputes the chunk logits from the saved global
 log-sum-exp. The hidden states must enter through Megatron's `copy_to_tensor_model_parallel_region`
 (done here), whose backward sums the partial hidden-state gradients over the TP group.
+
+Precision: bf16 hidden states and weights (`trainer.precision = "bf16"`) are multiplied with fp32
+accumulation on every path (the kernels' fp32 accumulators, the fp32 chunk logits here); the log-probs
+are fp32 and the gradients return in the inputs' dtype.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ warm model (first trainer), report READY; the first trainer then opens the weigh
 (`rollart_hpc.weights.transport`). Loop: BATCH (this rank's shard of step n) -> `rl_step` -> the first
 trainer's sender announces version n+1 to the rollout ranks (WEIGHTS over MPI) and starts the bucketed
 broadcast in the background (the next step does not wait for it); it reports TRAINED to the controller. STOP ends the loop after the last publication.
+Weights are published in the training dtype (`trainer.precision`: bf16 halves the bytes); each step's
+report (a metrics.jsonl row) carries `weights_bytes`, the tensor bytes of the version it published.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from rollart_hpc.tasks.build import family_specs, run_tasks
 from rollart_hpc.train.config import TrainerConfig
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
     from rollart_hpc.train.batch import PackedBatch
@@ -162,7 +165,9 @@ def publish(trainer: Trainer, sender: WeightSender | None, version: int) -> None
             pass
 
 
-def rl_loop(config: Config, ctx: RunContext, trainer: Trainer, sender: WeightSender | None) -> float:
+def rl_loop(
+    config: Config, ctx: RunContext, trainer: Trainer, sender: WeightSender | None, weights_bytes: int = 0
+) -> float:
     from rollart_hpc.algo.loss import LossConfig  # torch
 
     mailbox = ctx.mailbox
@@ -185,6 +190,7 @@ def rl_loop(config: Config, ctx: RunContext, trainer: Trainer, sender: WeightSen
         report = trainer.rl_step(shard_to_batch(shard), shard.num_global_action_tokens, cfg) | {"lr": lr}
         publish(trainer, sender, shard.step + 1)
         if sender is not None:
+            report["weights_bytes"] = float(weights_bytes)
             step_report = StepReport(shard.step, time.perf_counter() - start, report)
             mailbox.send(step_report, 0, Tag.TRAINED)
         busy_s += time.perf_counter() - start
@@ -193,6 +199,11 @@ def rl_loop(config: Config, ctx: RunContext, trainer: Trainer, sender: WeightSen
         sender.wait()
     timeline.write(ctx.run_dir)
     return busy_s
+
+
+def published_bytes(specs: dict[str, torch.Tensor]) -> int:
+    """The tensor bytes of one published version (the buckets' alignment padding not counted)."""
+    return sum(t.numel() * t.element_size() for t in specs.values())
 
 
 def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
@@ -240,11 +251,14 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     sender = None
     # The layout of the published tensors (names, shapes, dtypes), gathered unit by unit as they will be.
     specs = {name: t.to("meta") for unit in trainer.hf_units() for name, t in unit.items()}
+    weights_bytes = published_bytes(specs)
     if group is not None:
+        dtypes = ", ".join(sorted({str(t.dtype).removeprefix("torch.") for t in specs.values()}))
+        ctx.log.info(f"publishing {len(specs)} tensors, {weights_bytes} bytes per version ({dtypes})")
         announce = announce_to(ctx.mailbox, ctx.ranks["rollout"], Tag.WEIGHTS, WeightAnnouncement)
         sender = GroupWeightSender.open(
             group, specs, config.trainer.bucket_mb, announce, direct_mb=config.trainer.bucket_direct_mb
         )
-    busy_s = rl_loop(config, ctx, trainer, sender)
+    busy_s = rl_loop(config, ctx, trainer, sender, weights_bytes)
     ctx.mailbox.send(RankStats("trainer", busy_s), 0, Tag.STATS)
     ctx.mailbox.flush()

@@ -3,9 +3,10 @@
 Preconditions: torch.distributed is initialised with the trainer ranks as the default group;
 `ensure_model_parallel()` builds Megatron's tensor, pipeline and data-parallel groups over it (order
 tp-dp-pp: tensor-parallel ranks are adjacent, pipeline stages the slowest dimension) with the trainer's
-collective timeout, and seeds its RNG tracker. Parameters are fp32 (master weights); a bf16 compute dtype
-is applied by the caller with autocast on GPU. Every parameter is overwritten by the converted
-checkpoint, split for this rank's tensor-parallel shard and pipeline stage, so no random init is run.
+collective timeout, and seeds its RNG tracker. Parameters are in the training precision (`param_dtype`:
+fp32, or bf16 with Megatron's `bf16` config, whose fp32 main copies live in the optimizer). Every
+parameter is overwritten by the converted checkpoint, split for this rank's tensor-parallel shard and
+pipeline stage, so no random init is run.
 
 `HiddenGPT` is GPTModel with one switch, `return_hidden`: the last stage then returns the final hidden
 states [s, b, H] (after the final norm) instead of logits, for the fused LM-head loss.
@@ -105,11 +106,24 @@ def _hidden_gpt_class() -> type:
     return HiddenGPT
 
 
+def param_dtype(precision: str) -> torch.dtype:
+    """The parameter (and pipeline-communication) dtype of a training precision ("fp32" or "bf16")."""
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if precision not in dtypes:
+        raise ValueError(f"precision must be one of {tuple(dtypes)}, got {precision!r}")
+    return dtypes[precision]
+
+
 def build_gpt(
-    cfg: ModelConfig, device: torch.device, layout: Layout | None = None, sequence_parallel: bool = False
+    cfg: ModelConfig,
+    device: torch.device,
+    layout: Layout | None = None,
+    sequence_parallel: bool = False,
+    precision: str = "fp32",
 ) -> Any:
-    """An uninitialised fp32 GPTModel for `cfg` on `device`: this rank's shard and stage of `layout`
-    (activations sharded along the sequence outside the TP matmuls with `sequence_parallel`)."""
+    """An uninitialised GPTModel for `cfg` on `device` with parameters in `precision` ("fp32", or "bf16":
+    Megatron's bf16 config): this rank's shard and stage of `layout` (activations sharded along the
+    sequence outside the TP matmuls with `sequence_parallel`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
@@ -119,17 +133,19 @@ def build_gpt(
     args = megatron_args(cfg, layout.tp_size)
     if sequence_parallel:
         allow_sequence_parallel_norms()
+    dtype = param_dtype(precision)
     config = TransformerConfig(
         sequence_parallel=sequence_parallel,
         **args.transformer,
         pipeline_model_parallel_size=layout.pp_size,
-        pipeline_dtype=torch.float32,
+        pipeline_dtype=dtype,
         variable_seq_lengths=layout.pp_size > 1,
         moe_token_dispatcher_type="alltoall",  # the only dispatcher Megatron allows with variable lengths
         calculate_per_token_loss=True,
         use_cpu_initialization=device.type == "cpu",
         perform_initialization=False,
-        params_dtype=torch.float32,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
     )
     model = _hidden_gpt_class()(
         config,
@@ -179,11 +195,16 @@ def shard_weights(hf: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout)
 
 
 def gpt_from_hf(
-    model_dir: str | Path, device: torch.device, layout: Layout | None = None, sequence_parallel: bool = False
+    model_dir: str | Path,
+    device: torch.device,
+    layout: Layout | None = None,
+    sequence_parallel: bool = False,
+    precision: str = "fp32",
 ) -> tuple[Any, ModelConfig]:
-    """Build this rank's GPTModel shard of an HF directory and load its weights; return (model, config)."""
+    """Build this rank's GPTModel shard of an HF directory in `precision` and load its weights (cast to
+    the parameter dtype); return (model, config)."""
     layout = layout or Layout(1, 0, 1, 0, 1, 0)
     cfg = load_config(model_dir)
-    model = build_gpt(cfg, device, layout, sequence_parallel)
+    model = build_gpt(cfg, device, layout, sequence_parallel, precision)
     load_megatron_weights(model, shard_weights(load_weights(model_dir, cfg), cfg, layout))
     return model, cfg

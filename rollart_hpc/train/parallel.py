@@ -10,6 +10,11 @@ tied-embedding reduction between the first and last pipeline stage. The model ru
 divides a micro-batch's loss by the micro-batch count; the trainer's loss function divides by the step's
 global action-token count itself and reports a token count of 0, so Megatron adds no second division.
 
+With `precision` "bf16" the bf16 model sits in Megatron's `Float16Module` inside DDP (gradients still
+accumulate and reduce in fp32) and the optimizer is Megatron's mixed-precision one (`OptimizerConfig.bf16`):
+fp32 main parameters, fp32 main gradients and fp32 Adam states, the bf16 parameters copied from the main
+ones after each step.
+
 Without a learning-rate scheduler Megatron leaves weight decay on norms and biases (their group's
 `wd_mult` is 0 but only the scheduler applies it); `set_hyperparameters` writes the effective values.
 """
@@ -39,7 +44,8 @@ def wrap(gpt: Any, cfg: TrainerConfig) -> tuple[Any, Any]:
         use_distributed_optimizer=cfg.distributed_optimizer,
         bucket_size=cfg.ddp_bucket_elements,
     )
-    model = DistributedDataParallel(gpt.config, ddp_cfg, gpt)
+    bf16 = cfg.precision == "bf16"
+    model = DistributedDataParallel(gpt.config, ddp_cfg, _float16_module(gpt) if bf16 else gpt)
     o = cfg.optim
     opt_cfg = OptimizerConfig(
         optimizer="adam",
@@ -50,8 +56,8 @@ def wrap(gpt: Any, cfg: TrainerConfig) -> tuple[Any, Any]:
         adam_eps=o.eps,
         clip_grad=o.grad_clip,
         fp16=False,
-        bf16=False,
-        params_dtype=torch.float32,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=cfg.distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_cfg, [model])
@@ -60,6 +66,14 @@ def wrap(gpt: Any, cfg: TrainerConfig) -> tuple[Any, Any]:
     gpt.config.grad_scale_func = optimizer.scale_loss
     set_hyperparameters(optimizer, cfg)
     return model, optimizer
+
+
+def _float16_module(gpt: Any) -> Any:
+    """`gpt` (bf16 parameters, `config.bf16`) in Megatron's `Float16Module`: floating inputs of the first
+    stage are cast to bf16; the last stage's output stays bf16 when called with `fp32_output=False`."""
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(gpt.config, gpt)
 
 
 def inner_optimizers(optimizer: Any) -> list[Any]:

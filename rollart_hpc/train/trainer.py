@@ -21,7 +21,6 @@ stage's first tensor-parallel rank of every replica. Every collective is bounded
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import shutil
 from collections.abc import Callable, Iterator
@@ -76,11 +75,13 @@ class Trainer:
             raise RuntimeError("initialise torch.distributed (the trainer ranks) before building a Trainer")
         self.cfg = cfg
         self.model_dir = Path(model_dir)
-        self.device = _pick_device(cfg.compute_dtype)
+        self.device = _pick_device()
         self.layout: Layout = ensure_model_parallel(
             cfg.seed, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.collective_timeout_s
         )
-        self.gpt, self.model_config = gpt_from_hf(model_dir, self.device, self.layout, cfg.sequence_parallel)
+        self.gpt, self.model_config = gpt_from_hf(
+            model_dir, self.device, self.layout, cfg.sequence_parallel, cfg.precision
+        )
         self.gpt.return_hidden = True  # the head runs in `lm_head.token_logprobs` (fused or eager)
         self.model, self.optimizer = parallel.wrap(self.gpt, cfg)
         self.model.train()
@@ -141,11 +142,6 @@ class Trainer:
         ]
 
     # ---- forward / backward through Megatron's schedule ----------------------------------------
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.cfg.compute_dtype == "bfloat16":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def _head_weight(self) -> torch.Tensor:
         if self.model_config.tie_word_embeddings:
             weight: torch.Tensor = self.gpt.shared_embedding_or_output_weight()
@@ -195,8 +191,10 @@ class Trainer:
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
             micro: Micro = next(data_iterator)
             ids = micro.rows.input_ids.to(self.device)
-            with self._autocast():
-                output = model(ids, None, None)  # the last stage returns its final hidden states
+            # The last stage returns its final hidden states, in the parameter dtype: under bf16 the
+            # head takes bf16 hidden states and weights and accumulates in fp32 (`lm_head`).
+            extra = {"fp32_output": False} if self.cfg.precision == "bf16" else {}
+            output = model(ids, None, None, **extra)
             return output, functools.partial(self._loss, micro, loss_fn)
 
         return forward_step
@@ -480,11 +478,12 @@ def _dummy_batch() -> PackedBatch:
     return from_sequences([[0, 0]], [[0, 0]], [[0.0, 0.0]], [[0.0, 0.0]])
 
 
-def _pick_device(compute_dtype: str) -> torch.device:
+def _pick_device() -> torch.device:
+    """This rank's CUDA device (TF32 on for fp32 matmuls and convolutions), or the CPU without CUDA."""
     if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
         return torch.device("cuda", torch.cuda.current_device())
-    if compute_dtype != "float32":
-        raise ValueError(f"compute_dtype {compute_dtype!r} needs a GPU; the CPU trainer runs in float32")
     return torch.device("cpu")
 
 
