@@ -2,46 +2,64 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
-from rollart_hpc.inference.decoder import Decoder, Segment, SlotKVCache
+from rollart_hpc.inference.decoder import Decoder, Segment, SlotKVCache, _inv_freq
 from rollart_hpc.inference.engine import LLMEngine
 from rollart_hpc.inference.packed import pack_weights
 from rollart_hpc.models.checkpoint import load_weights
 from rollart_hpc.models.config import load_config
 from rollart_hpc.models.tiny import make_tiny_model
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "qwen3")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+# Llama 3 scaling with a short original context, so that the 64 positions of these tests meet all three
+# regimes (high frequencies kept, medium ones smoothed, low ones divided by the factor).
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
-def _make(root: Path, family: str, tied: bool) -> Path:
+def _make(root: Path, family: str, tied: bool, rope_scaling: dict | None = None) -> Path:
     return make_tiny_model(
-        root / f"{family}-{tied}",
+        root / f"{family}-{tied}-{bool(rope_scaling)}",
         family=family,
         seed=3,
         hidden_size=128,
         num_layers=2,
         num_heads=4,
         num_kv_heads=2,
-        head_dim=64,
+        head_dim=64,  # != hidden_size / num_heads (32), as in several Qwen3 sizes
         intermediate_size=256,
         tie_word_embeddings=tied,
         rope_theta=500.0,
         init_std=0.08,
+        rope_scaling=rope_scaling,
     )
 
 
 @pytest.fixture(
-    scope="module", params=[("llama", False), ("qwen2", True)], ids=["llama-untied", "qwen2-tied"]
+    scope="module",
+    params=[
+        ("llama", False, None),
+        ("llama", True, LLAMA3_ROPE),
+        ("qwen2", True, None),
+        ("qwen3", False, None),
+    ],
+    ids=["llama-untied", "llama3-rope", "qwen2-tied", "qwen3-untied"],
 )
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    family, tied = request.param
-    return _make(tmp_path_factory.mktemp("models"), family, tied)
+    family, tied, rope_scaling = request.param
+    return _make(tmp_path_factory.mktemp("models"), family, tied, rope_scaling)
 
 
 @pytest.fixture(scope="module")
@@ -98,16 +116,40 @@ def test_prefill_and_every_decode_step_match_hf_logits(
 def test_greedy_continuation_identical_to_hf_generate(model_dir: Path, hf_model: torch.nn.Module) -> None:
     engine = LLMEngine.from_pretrained(model_dir, num_slots=2, max_model_len=64, eos_token_ids=())
     prompt = _prompts(engine.config.vocab_size, (11,))[0]
-    out = _run(engine, {"a": (prompt, GREEDY)})["a"]
+    steps = 32
+    out = _run(engine, {"a": (prompt, SamplingParams(temperature=0.0, max_tokens=steps))})["a"]
     with torch.inference_mode():
         ref = hf_model.generate(
-            torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0
+            torch.tensor([prompt]),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=0,
         )
     assert out.token_ids == ref[0, len(prompt) :].tolist()
-    assert out.finish_reason == "length" and out.versions == [0] * 12
+    assert out.finish_reason == "length" and out.versions == [0] * steps
     hf_lp = _hf_logits(hf_model, prompt + out.token_ids).log_softmax(-1)
     expected = [float(hf_lp[len(prompt) - 1 + i, t]) for i, t in enumerate(out.token_ids)]
     assert out.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_rope_inverse_frequencies_equal_transformers(model_dir: Path, hf_model: torch.nn.Module) -> None:
+    """The engine's RoPE inverse frequencies are bit-identical to transformers' for the model's rope type."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = load_config(model_dir)
+    rope_type = config.rope_scaling.get("rope_type", "default")
+    rotary = hf_model.model.rotary_emb
+    compute = (
+        rotary.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+    )
+    expected, _ = compute(hf_model.config)
+    ours = _inv_freq(config)
+    assert ours.dtype == expected.dtype and torch.equal(ours, expected)
+    assert torch.equal(rotary.inv_freq, expected)
+    if rope_type == "llama3":  # the scaling acts on these positions: the unscaled table differs
+        plain = _inv_freq(dataclasses.replace(config, rope_scaling={}))
+        assert not torch.equal(plain, ours) and torch.equal(plain[:4], ours[:4])
 
 
 def test_sampled_logprobs_equal_hf_log_softmax(model_dir: Path, hf_model: torch.nn.Module) -> None:

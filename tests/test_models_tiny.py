@@ -40,7 +40,7 @@ def test_tokenizer_is_deterministic_and_chat_ready() -> None:
         make_tiny_tokenizer(CORPUS, vocab_size=100)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_tiny_model_is_deterministic_and_loads_in_hf(tmp_path: Path, family: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -57,6 +57,7 @@ def test_tiny_model_is_deterministic_and_loads_in_hf(tmp_path: Path, family: str
     assert 100_000 < sum(p.numel() for p in model.parameters()) < 1_000_000
     config = load_config(a)
     assert config.qkv_bias == (family == "qwen2") and config.eos_token_ids == (tokenizer.eos_token_id,)
+    assert config.qk_norm == (family == "qwen3")
     weights = load_weights(a, config)
     assert set(weights) == {n for n, _ in model.named_parameters() if n != "lm_head.weight"}
     assert torch.equal(weights["model.norm.weight"], model.state_dict()["model.norm.weight"])
@@ -95,6 +96,25 @@ def test_config_parsing_rope_and_errors() -> None:
         config_from_dict({**base, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="rope_type"):
         config_from_dict({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}})
+    with pytest.raises(ValueError, match="architecture 'LlamaForSequenceClassification'"):
+        config_from_dict({**base, "architectures": ["LlamaForSequenceClassification"]})
+    qwen3 = config_from_dict({**base, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 128  # Qwen3Config's default head_dim
+    assert not qwen.qk_norm and not old.qk_norm
+    assert config_from_dict({**base, "model_type": "qwen3", "head_dim": 96}).head_dim == 96
+    with pytest.raises(ValueError, match="attention_bias"):
+        config_from_dict({**base, "model_type": "qwen3", "attention_bias": True})
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        config_from_dict({**base, "model_type": "qwen3", "use_sliding_window": True})
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0}
+    llama3 |= {"high_freq_factor": 4.0}
+    with pytest.raises(ValueError, match="needs rope parameter 'low_freq_factor'"):
+        config_from_dict({**base, "rope_parameters": {**llama3, "low_freq_factor": None}})
+    # As transformers: original_max_position_embeddings from the top level, else max_position_embeddings.
+    implicit = config_from_dict({**base, "max_position_embeddings": 4096, "rope_parameters": llama3})
+    assert implicit.rope_scaling["original_max_position_embeddings"] == 4096
+    top = {**base, "original_max_position_embeddings": 1024, "rope_parameters": llama3}
+    assert config_from_dict(top).rope_scaling["original_max_position_embeddings"] == 1024
 
 
 def test_check_weights_names_shapes_missing(tmp_path: Path) -> None:
@@ -125,11 +145,11 @@ def test_cli_make_tiny(tmp_path: Path) -> None:
             "--out",
             str(tmp_path / "t"),
             "--family",
-            "qwen2",
+            "qwen3",
             "--hidden-size",
             "128",
             "--num-heads",
-            "2",
+            "4",
             "--num-kv-heads",
             "1",
             "--num-layers",
@@ -139,7 +159,18 @@ def test_cli_make_tiny(tmp_path: Path) -> None:
         ]
     )
     assert cli.main(args) == 0
-    assert load_config(tmp_path / "t").model_type == "qwen2"
+    config = load_config(tmp_path / "t")
+    assert config.model_type == "qwen3" and config.qk_norm and config.head_dim == 64 and config.num_heads == 4
+    llama3 = '{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}'
+    argv = ["make-tiny", "--out", str(tmp_path / "r"), "--num-layers", "1", "--rope-scaling", llama3]
+    assert cli.main(_parse(argv)) == 0
+    assert load_config(tmp_path / "r").rope_scaling["rope_type"] == "llama3"
+    with pytest.raises(UsageError, match="rope-scaling"):
+        cli.main(_parse(["make-tiny", "--out", str(tmp_path / "w"), "--rope-scaling", "[1]"]))
+    yarn = '{"rope_type": "yarn", "factor": 2.0}'
+    with pytest.raises(UsageError, match="rope_type 'yarn'"):
+        cli.main(_parse(["make-tiny", "--out", str(tmp_path / "y"), "--rope-scaling", yarn]))
+    assert not (tmp_path / "y").exists()
     with pytest.raises(UsageError, match="head_dim"):
         cli.main(_parse(["make-tiny", "--out", str(tmp_path / "u"), "--head-dim", "32"]))
     with pytest.raises(UsageError, match="corpus"):

@@ -10,7 +10,22 @@ import torch
 
 from rollart_hpc.models.checkpoint import expected_shapes, load_weights
 from rollart_hpc.models.config import ModelConfig, config_from_dict
-from rollart_hpc.train.convert import hf_to_megatron, megatron_args, megatron_to_hf
+from rollart_hpc.train.convert import (
+    from_stage,
+    hf_to_megatron,
+    megatron_args,
+    megatron_to_hf,
+    stage_layers,
+    to_stage,
+)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def _raw(model_type: str = "llama", **extra: object) -> dict[str, object]:
@@ -43,33 +58,67 @@ def test_megatron_args_map_the_hf_config() -> None:
     assert t["layernorm_epsilon"] == 1e-5 and t["normalization"] == "RMSNorm" and t["add_qkv_bias"]
     assert t["gated_linear_unit"] and not t["add_bias_linear"]
     assert g["rotary_base"] == 500000 and g["share_embeddings_and_output_weights"] and g["vocab_size"] == 128
+    assert not t["qk_layernorm"]
     assert not megatron_args(config_from_dict(_raw())).transformer["add_qkv_bias"]
+    qwen3 = megatron_args(config_from_dict(_raw("qwen3"))).transformer
+    assert qwen3["qk_layernorm"] and not qwen3["add_qkv_bias"] and qwen3["kv_channels"] == 24
 
 
 def test_rope_scaling_maps_or_is_rejected() -> None:
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    llama3 = LLAMA3_ROPE
     gpt = megatron_args(config_from_dict(_raw(rope_scaling=llama3))).gpt
     assert gpt["rope_scaling"] and gpt["rope_scaling_factor"] == 8.0
     linear = megatron_args(config_from_dict(_raw(rope_scaling={"rope_type": "linear", "factor": 2.0}))).gpt
     assert linear["seq_len_interpolation_factor"] == 2.0
     with pytest.raises(ValueError, match="high_freq_factor"):
         megatron_args(config_from_dict(_raw(rope_scaling={**llama3, "high_freq_factor": 2.0})))
+    # Without original_max_position_embeddings transformers takes max_position_embeddings (here 16384),
+    # where Megatron would compute with 8192.
+    implicit = {k: v for k, v in llama3.items() if k != "original_max_position_embeddings"}
+    with pytest.raises(ValueError, match="original_max_position_embeddings=16384"):
+        megatron_args(config_from_dict(_raw(rope_scaling=implicit, max_position_embeddings=16384)))
     with pytest.raises(ValueError, match="integer"):
         megatron_args(config_from_dict(_raw(rope_theta=1e4 + 0.5)))
 
 
 @pytest.mark.parametrize(
-    "family,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen2", False)]
+    "family,tied,rope",
+    [
+        ("llama", False, None),
+        ("llama", True, None),
+        ("llama", False, LLAMA3_ROPE),
+        ("qwen2", True, None),
+        ("qwen2", False, None),
+        ("qwen3", True, None),
+        ("qwen3", False, None),
+    ],
 )
-@pytest.mark.parametrize("tp", [1, 2])
-def test_round_trip_is_bit_exact(family: str, tied: bool, tp: int) -> None:
-    cfg = config_from_dict(_raw(family, tie_word_embeddings=tied))
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2)])
+def test_round_trip_is_bit_exact(family: str, tied: bool, rope: dict | None, tp: int, pp: int) -> None:
+    """HF -> TP shards -> PP stages -> HF, both for the whole model and stage by stage (as published)."""
+    extra = {"rope_scaling": rope} if rope else {}
+    cfg = config_from_dict(_raw(family, tie_word_embeddings=tied, **extra))
     hf = _random_hf(cfg)
     shards = [hf_to_megatron(hf, cfg, tp_rank=r, tp_size=tp) for r in range(tp)]
     assert ("output_layer.weight" in shards[0]) != tied
-    back = megatron_to_hf(shards, cfg)
-    assert set(back) == set(hf)
-    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    norms = [k for k in shards[0] if "layernorm.weight" in k and ".self_attention." in k]
+    assert len(norms) == (2 * cfg.num_layers if family == "qwen3" else 0)
+    for key in norms:  # q/k norms are replicated on every tensor-parallel rank
+        assert all(torch.equal(s[key], shards[0][key]) for s in shards)
+    stages = [stage_layers(cfg.num_layers, p, pp) for p in range(pp)]
+    local = [
+        [to_stage(s, layers, p == 0, p == pp - 1, tied) for s in shards] for p, layers in enumerate(stages)
+    ]
+    whole: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    per_stage: dict[str, torch.Tensor] = {}
+    for p, layers in enumerate(stages):
+        back_stage = [from_stage(s, layers, p == 0, tied) for s in local[p]]
+        for r, s in enumerate(back_stage):
+            whole[r].update(s)
+        per_stage.update(megatron_to_hf(back_stage, cfg, layers))
+    for back in (megatron_to_hf(whole, cfg), per_stage):
+        assert set(back) == set(hf)
+        assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
 def test_qkv_is_interleaved_per_group() -> None:
@@ -132,13 +181,16 @@ def _model_dir(kind: str, out: Path) -> Path:
         return _llama3_model(out)
     family, tied = kind.split("-")
     theta = 500000.0 if family == "llama" else 1000000.0
+    # head_dim 64 != hidden_size / num_heads (32): kv_channels must come from head_dim.
     return make_tiny_model(
         out, family=family, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-        tie_word_embeddings=tied == "tied", rope_theta=theta,
+        tie_word_embeddings=tied == "tied", rope_theta=theta, init_std=0.05,
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["llama-untied", "qwen2-tied", "qwen2-untied", "llama3-rope"])
+@pytest.mark.parametrize(
+    "kind", ["llama-untied", "qwen2-tied", "qwen2-untied", "llama3-rope", "qwen3-tied", "qwen3-untied"]
+)
 def test_logits_match_transformers(kind: str, tmp_path: Path, one_rank_group: None) -> None:
     from transformers import AutoModelForCausalLM
 

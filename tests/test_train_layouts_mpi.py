@@ -2,7 +2,8 @@
 
 The worker is `tests/mpi_scripts/train_layout_check.py`. The model is the run's tiny shape: tied
 embeddings (so PP > 1 keeps a second copy of the embedding on the last stage), qkv biases, 2 heads and 1
-key/value group (so TP = 2 splits one fused qkv group over two ranks).
+key/value group (so TP = 2 splits one fused qkv group over two ranks). A Qwen3 model (q/k layernorm,
+head_dim != hidden_size / heads) checks tensor parallelism for that family.
 """
 
 from __future__ import annotations
@@ -110,3 +111,23 @@ def test_a_checkpoint_resumes_at_another_layout(model_dir: Path, tmp_path: Path)
     resumed = _run(model_dir, tmp_path / "resume", 1, 2, 1, load_from=str(ckpt))
     assert len(resumed["metrics"]) == 1
     _assert_same_step({k: v[1:] for k, v in straight.items()}, resumed, 0)
+
+
+def test_qwen3_tensor_parallel_steps_match_one_rank(tmp_path: Path) -> None:
+    """Qwen3 at TP2 with sequence parallelism: the q/k layernorm weights are replicated while each TP rank
+    normalises only its own heads, so their gradients must be summed over TP; the steps then equal one
+    rank's, and the trained norms are published under their HF names."""
+    from rollart_hpc.models.checkpoint import load_weights
+    from rollart_hpc.models.tiny import make_tiny_model
+
+    model_dir = make_tiny_model(
+        tmp_path / "qwen3", family="qwen3", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        vocab_size=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    ref = _run(model_dir, tmp_path / "ref", 1, 1, 1, mbt=4096)
+    name = "model.layers.1.self_attn.k_norm.weight"
+    assert not torch.equal(ref["weights"][0][name], load_weights(model_dir)[name])
+    got = _run(model_dir, tmp_path / "tp2", 2, 1, 1, sequence_parallel=True)
+    for step in (0, 1):
+        _assert_same_step(got, ref, step)
+        assert got["units_match"][step][0]

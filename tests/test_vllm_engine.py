@@ -41,8 +41,8 @@ def _make(root: Path, family: str, tied: bool, seed: int) -> Path:
         seed=seed,
         hidden_size=128,
         num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
+        num_heads=4 if family == "qwen3" else 2,  # Qwen3: head_dim 64 != hidden_size / num_heads
+        num_kv_heads=2 if family == "qwen3" else 1,
         head_dim=64,
         intermediate_size=256,
         tie_word_embeddings=tied,
@@ -64,7 +64,9 @@ def vllm_env() -> Iterator[None]:
 
 
 @pytest.fixture(
-    scope="module", params=[("llama", False), ("qwen2", True)], ids=["llama-untied", "qwen2-tied"]
+    scope="module",
+    params=[("llama", False), ("qwen2", True), ("qwen3", False)],
+    ids=["llama-untied", "qwen2-tied", "qwen3-untied"],
 )
 def state(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, vllm_env: None

@@ -127,7 +127,7 @@ class PolicyModelConfig:
         "'tiny': a small random Llama built for the run's tasks; 'smollm2': SmolLM2-135M-Instruct; 'path'.",
     )
     path: str = doc_field("", "HF safetensors directory (source = 'path').")
-    family: Literal["llama", "qwen2"] = doc_field("llama", "Tiny model: decoder family.")
+    family: Literal["llama", "qwen2", "qwen3"] = doc_field("llama", "Tiny model: decoder family.")
     hidden_size: int = doc_field(128, "Tiny model: hidden size (head_dim is 64).")
     num_layers: int = doc_field(2, "Tiny model: decoder layers.")
     vocab_size: int = doc_field(1024, "Tiny model: BPE vocabulary trained on the run's task texts.")

@@ -1,7 +1,8 @@
-"""The Llama/Qwen2 forward pass in plain torch over a slot KV cache (no HF model involved).
+"""The Llama/Qwen2/Qwen3 forward pass in plain torch over a slot KV cache (no HF model involved).
 
 RMSNorm, rotary embeddings (HF `rope_parameters`: default, linear, llama3), grouped-query attention
-through `scaled_dot_product_attention`, SwiGLU MLP, tied or untied head, Qwen2 q/k/v bias.
+through `scaled_dot_product_attention`, SwiGLU MLP, tied or untied head, Qwen2 q/k/v bias, Qwen3 per-head
+q/k RMSNorm (before RoPE).
 
 Weights come as a `PackedWeights` snapshot (see packed.py); each forward pass reads exactly one.
 
@@ -107,10 +108,12 @@ class Decoder:
         c = self.config
         qkv = layer.qkv(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = F.rms_norm(q, (c.head_dim,), layer.q_norm, c.rms_norm_eps)
+            k = F.rms_norm(k, (c.head_dim,), layer.k_norm, c.rms_norm_eps)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        q = _rotate(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = _rotate(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        return q, k, v.view(-1, c.num_kv_heads, c.head_dim)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v.view(-1, c.num_kv_heads, c.head_dim)
 
     def _mlp_block(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         x = x + layer.o_proj(attn)

@@ -38,7 +38,8 @@ class Linear:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer: qkv [(H + 2 Hkv) D, hidden] (+ bias), o_proj, gate_up [2 I, hidden], down."""
+    """One decoder layer: qkv [(H + 2 Hkv) D, hidden] (+ bias), o_proj, gate_up [2 I, hidden], down;
+    `q_norm`, `k_norm` [D]: the per-head RMSNorm weights of queries and keys (Qwen3), else None."""
 
     input_norm: torch.Tensor
     qkv: Linear
@@ -46,6 +47,8 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ def _layer(
         post_norm=get("post_attention_layernorm.weight"),
         gate_up=_linear(gate_up, None, backend),
         down=_linear(get("mlp.down_proj.weight"), None, backend),
+        q_norm=get("self_attn.q_norm.weight") if config.qk_norm else None,
+        k_norm=get("self_attn.k_norm.weight") if config.qk_norm else None,
     )
 
 
@@ -134,4 +139,6 @@ def unpack_weights(config: ModelConfig, packed: PackedWeights) -> dict[str, torc
         hf[p + "self_attn.o_proj.weight"] = layer.o_proj.weight
         hf[p + "input_layernorm.weight"] = layer.input_norm
         hf[p + "post_attention_layernorm.weight"] = layer.post_norm
+        if layer.q_norm is not None and layer.k_norm is not None:
+            hf[p + "self_attn.q_norm.weight"], hf[p + "self_attn.k_norm.weight"] = layer.q_norm, layer.k_norm
     return hf

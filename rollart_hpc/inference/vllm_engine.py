@@ -38,7 +38,6 @@ processed log-probs (after temperature, top-k and top-p), i.e. of the distributi
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import queue
 import threading
@@ -53,6 +52,7 @@ import torch
 from rollart_hpc.contracts.generation import FinishReason, RequestOutput, SamplingParams
 from rollart_hpc.inference.vllm_staging import StagingBuffer, single_bucket_layout
 from rollart_hpc.inference.vllm_worker import LOAD_METHOD
+from rollart_hpc.models.config import load_config
 
 T = TypeVar("T")
 WORKER_EXTENSION = "rollart_hpc.inference.vllm_worker.RollartWorkerExtension"
@@ -418,11 +418,8 @@ def _engine_args(
 
 def cpu_kv_cache_bytes(model_dir: Path, num_slots: int, max_model_len: int) -> int:
     """KV-cache bytes for `num_slots` full-length sequences (2x headroom, at least 64 MiB) of the model."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    per_token = 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * 4  # K and V, fp32 at most
+    cfg = load_config(model_dir)  # head_dim as the family defines it (Qwen3: explicit, 128 if absent)
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, fp32 at most
     return max(2 * num_slots * max_model_len * per_token, 64 << 20)
 
 

@@ -4,7 +4,9 @@ vLLM imports this module in every worker process (`worker_extension_cls`) and mi
 `RollartWorkerExtension` into its worker class; the engine calls its methods by
 `collective_rpc("rollart_load_staged", ...)` on every tensor-parallel worker. Each worker reads the full
 tensors (HF names) from the shared staging buffer and lets the model's own `load_weights` fuse and
-shard them, inside vLLM's layerwise reload (`reload_weights(weights_iterator=...)`), which re-runs each
+shard them (nothing is renamed: vLLM's Llama/Qwen2/Qwen3 models fuse q/k/v and gate/up themselves, and
+Qwen3's per-head `self_attn.q_norm.weight` / `k_norm.weight` are parameters of the same names, replicated
+on every tensor-parallel worker), inside vLLM's layerwise reload (`reload_weights(weights_iterator=...)`), which re-runs each
 layer's post-load processing (re-packing on CPU) and copies the result into the original storage, so
 captured CUDA graphs stay valid.
 

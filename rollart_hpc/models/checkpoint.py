@@ -1,8 +1,9 @@
 """HF safetensors checkpoints: read a model directory's weights by HF name, and check names and shapes.
 
-The HF names of a Llama/Qwen2 decoder are the contract between trainer, weight transport and every
+The HF names of a Llama/Qwen2/Qwen3 decoder are the contract between trainer, weight transport and every
 rollout engine: `model.embed_tokens.weight`, `model.layers.{i}.self_attn.{q,k,v,o}_proj.weight` (+ q/k/v
-`.bias` for Qwen2), `model.layers.{i}.mlp.{gate,up,down}_proj.weight`, `model.layers.{i}.input_layernorm.weight`,
+`.bias` for Qwen2; + `model.layers.{i}.self_attn.{q,k}_norm.weight` [head_dim] for Qwen3),
+`model.layers.{i}.mlp.{gate,up,down}_proj.weight`, `model.layers.{i}.input_layernorm.weight`,
 `model.layers.{i}.post_attention_layernorm.weight`, `model.norm.weight` and, when the head is untied,
 `lm_head.weight`.
 """
@@ -43,6 +44,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.models.tiny import FAMILIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,10 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     imp.add_argument("--out", type=Path, required=True, help="output directory")
     tiny = sub.add_parser(
-        "make-tiny", help="write a tiny random Llama/Qwen2 model with a small BPE tokenizer"
+        "make-tiny", help="write a tiny random Llama/Qwen2/Qwen3 model with a small BPE tokenizer"
     )
     tiny.add_argument("--out", type=Path, required=True, help="output directory")
-    tiny.add_argument("--family", choices=("llama", "qwen2"), default="llama")
+    tiny.add_argument("--family", choices=FAMILIES, default="llama")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--hidden-size", type=int, default=256)
     tiny.add_argument("--num-layers", type=int, default=4)
@@ -26,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tiny.add_argument("--num-kv-heads", type=int, default=2)
     tiny.add_argument("--head-dim", type=int, default=64)
     tiny.add_argument("--vocab-size", type=int, default=512)
+    tiny.add_argument(
+        "--rope-scaling",
+        default=None,
+        help='RoPE scaling as JSON, e.g. \'{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, '
+        '"high_freq_factor": 4.0, "original_max_position_embeddings": 8192}\'',
+    )
     tiny.add_argument(
         "--corpus", type=Path, default=None, help="text file (one document per line) for the tokenizer"
     )
@@ -42,6 +50,18 @@ def _import_smollm2(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rope_scaling(text: str | None) -> dict[str, object] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise UsageError(f"--rope-scaling must be a JSON object, got {text!r}")
+    return value
+
+
 def _make_tiny(args: argparse.Namespace) -> int:
     from rollart_hpc.models.tiny import make_tiny_model
 
@@ -50,6 +70,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
         if not args.corpus.is_file():
             raise UsageError(f"--corpus {args.corpus} is not a file")
         corpus = [line for line in args.corpus.read_text().splitlines() if line.strip()]
+    rope_scaling = _rope_scaling(args.rope_scaling)
     try:
         out = make_tiny_model(
             args.out,
@@ -62,6 +83,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
             head_dim=args.head_dim,
             vocab_size=args.vocab_size,
             corpus=corpus,
+            rope_scaling=rope_scaling,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc

@@ -1,4 +1,4 @@
-"""Tiny random Llama/Qwen2 decoders with a small byte-level BPE tokenizer, saved in HF layout.
+"""Tiny random Llama/Qwen2/Qwen3 decoders with a small byte-level BPE tokenizer, saved in HF layout.
 
 Deterministic: the same arguments (and the same corpus, in the same order) give byte-identical
 tokenizer files and identical weights. Every parameter is drawn from one seeded generator in sorted
@@ -16,10 +16,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollart_hpc.models.config import FAMILY_ARCHITECTURE, config_from_dict
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "qwen3")
 PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
@@ -98,9 +100,11 @@ def tiny_config(
     max_position_embeddings: int,
     tie_word_embeddings: bool,
     rope_theta: float,
+    rope_scaling: dict[str, Any] | None = None,
 ) -> Any:
-    """The HF config (LlamaConfig or Qwen2Config) of a tiny model."""
-    from transformers import LlamaConfig, Qwen2Config
+    """The HF config (LlamaConfig, Qwen2Config or Qwen3Config) of a tiny model; `rope_scaling` adds
+    RoPE scaling parameters (e.g. {"rope_type": "llama3", "factor": 8.0, ...}) to `rope_parameters`."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
@@ -108,8 +112,9 @@ def tiny_config(
         raise ValueError(f"head_dim must be >= 64 (vLLM's CPU attention needs it), got {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    cls = LlamaConfig if family == "llama" else Qwen2Config
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
     fields: dict[str, Any] = {
+        "architectures": [FAMILY_ARCHITECTURE[family]],
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
@@ -119,13 +124,15 @@ def tiny_config(
         "head_dim": head_dim,
         "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "rope_parameters": {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta},
         "tie_word_embeddings": tie_word_embeddings,
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,
     }
-    return cls(**fields)
+    config = cls(**fields)
+    config_from_dict(config.to_dict())  # ValueError for what the engines and the trainer do not support
+    return config
 
 
 def _init_parameters(model: Any, seed: int, std: float) -> None:
@@ -158,11 +165,13 @@ def make_tiny_model(
     rope_theta: float = 10000.0,
     init_std: float = 0.02,
     corpus: Iterable[str] | None = None,
+    rope_scaling: dict[str, Any] | None = None,
 ) -> Path:
     """Write a tiny random `family` model with its tokenizer to `out_dir` (fp32 safetensors); return the path.
 
     The defaults give about 3 M parameters. The tokenizer is trained on `corpus` (default: a small
-    built-in sample of game and arithmetic text).
+    built-in sample of game and arithmetic text). `head_dim` is independent of hidden_size / num_heads
+    (Qwen3 sizes differ, e.g. 1024 / 16 heads of 128); `rope_scaling`: see `tiny_config`.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -183,6 +192,7 @@ def make_tiny_model(
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

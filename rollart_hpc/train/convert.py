@@ -1,4 +1,4 @@
-"""HF <-> Megatron-core (local layer spec) weights and architecture arguments for Llama and Qwen2.
+"""HF <-> Megatron-core (local layer spec) weights and architecture arguments for Llama, Qwen2 and Qwen3.
 
 HF names are those of `rollart_hpc.models.checkpoint` (a tied head has no `lm_head.weight`). Megatron
 names are those of `GPTModel.state_dict()` with the local spec; `megatron_to_hf` also accepts the
@@ -6,7 +6,11 @@ Transformer-Engine names of the fused norms (`linear_qkv.layer_norm_weight`, `li
 
 Invariants: HF -> Megatron -> HF is bit-exact (only views, slices and concatenations); the q/k/v rows are
 interleaved per query group `[q heads of g; k_g; v_g]`; fc1 is `cat([gate, up])` per tensor-parallel rank;
-RoPE needs no row permutation (Megatron's rotate-half equals HF's). Tensor parallelism: column-parallel
+RoPE needs no row permutation (Megatron's rotate-half equals HF's). Qwen3's per-head q/k RMSNorm weights
+(`self_attn.{q,k}_norm.weight`) are `self_attention.{q,k}_layernorm.weight` (spec and TransformerConfig
+with `qk_layernorm=True`), replicated on every tensor-parallel rank. Llama 3 RoPE scaling maps to
+GPTModel's `rope_scaling`, which computes HF's llama3 inverse frequencies with low/high frequency factors
+1 and 4 and an original context of 8192 fixed; other values are refused. Tensor parallelism: column-parallel
 weights (qkv, fc1, embedding, output layer) are split on dim 0, row-parallel ones (proj, fc2) on dim 1.
 The embedding and output layer carry zero rows up to `padded_vocab_size` (dropped again on the way out).
 Pipeline parallelism: `to_stage` / `from_stage` keep a stage's layers and renumber them.
@@ -55,7 +59,7 @@ def _rope_args(cfg: ModelConfig) -> dict[str, Any]:
     if rope_type == "linear":
         return {"seq_len_interpolation_factor": factor}
     for key, expected in LLAMA3_FIXED.items():
-        if float(scaling.get(key, expected)) != expected:
+        if float(scaling[key]) != expected:
             raise ValueError(f"llama3 RoPE {key}={scaling[key]} is not supported (Megatron fixes {expected})")
     return {"rope_scaling": True, "rope_scaling_factor": factor}
 
@@ -77,6 +81,7 @@ def megatron_args(cfg: ModelConfig, tensor_parallel: int = 1) -> MegatronArgs:
         "activation_func": F.silu,
         "add_bias_linear": False,
         "add_qkv_bias": cfg.qkv_bias,
+        "qk_layernorm": cfg.qk_norm,
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         "bias_dropout_fusion": False,
@@ -197,6 +202,9 @@ def _layer_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig, i: int, ra
         hf[h + "mlp.up_proj.weight"].chunk(tp, 0)[rank],
     )
     out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)
+    if cfg.qk_norm:
+        out[m + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"]
+        out[m + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
     kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)
     for kind in kinds:
         q, k, v = (hf[f"{attn}{p}_proj.{kind}"] for p in "qkv")
@@ -238,6 +246,9 @@ def _layer_to_hf(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig, i: int
     halves = [s[m + "mlp.linear_fc1.weight"].chunk(2, 0) for s in shards]
     out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves], 0)
     out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves], 0)
+    if cfg.qk_norm:
+        out[attn + "q_norm.weight"] = shards[0][m + "self_attention.q_layernorm.weight"]
+        out[attn + "k_norm.weight"] = shards[0][m + "self_attention.k_layernorm.weight"]
     kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)
     for kind in kinds:
         fused = torch.cat([s[f"{m}self_attention.linear_qkv.{kind}"] for s in shards], 0)

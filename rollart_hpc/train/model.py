@@ -149,7 +149,7 @@ def build_gpt(
     )
     model = _hidden_gpt_class()(
         config,
-        get_gpt_layer_local_spec(),
+        get_gpt_layer_local_spec(qk_layernorm=cfg.qk_norm),
         pre_process=layout.first_stage,
         post_process=layout.last_stage,
         **args.gpt,
