@@ -190,9 +190,16 @@ class RolloutConfig:
     )
     num_slots: int = doc_field(16, "Concurrent sequences per engine (KV-cache slots).")
     max_model_len: int = doc_field(1024, "Longest sequence (prompt + generation) an engine holds.")
-    temperature: float = doc_field(1.0, "Sampling temperature of agent turns.")
-    top_p: float = doc_field(1.0, "Nucleus sampling threshold.")
-    top_k: int = doc_field(0, "Top-k sampling (0 = off).")
+    temperature: float = doc_field(
+        1.0,
+        "Sampling temperature T of agent turns (> 0); the engines record log softmax(logits / T) as the "
+        "behaviour log-probs and the trainer's RL log-probs are taken at the same T.",
+    )
+    top_p: float = doc_field(
+        1.0,
+        "Nucleus sampling threshold; must stay 1 (the trainer does not recompute truncated distributions).",
+    )
+    top_k: int = doc_field(0, "Top-k sampling; must stay 0 = off (as top_p).")
     max_new_tokens: int = doc_field(32, "Longest generation of one agent turn.")
     num_threads: int = doc_field(1, "torch threads of a rollout rank.")
     vllm: VllmConfig = doc_field(VllmConfig, "vLLM engine settings (rollout.engine = 'vllm').")
@@ -231,6 +238,7 @@ class RolloutConfig:
             )
         if self.num_slots < 1 or self.max_model_len < 16 or self.max_new_tokens < 1:
             raise UsageError(f"{path}: num_slots >= 1, max_model_len >= 16, max_new_tokens >= 1 required")
+        self._validate_sampling(path)
         if self.batch_invariant and self.engine != "builtin":
             raise UsageError(f"{path}.batch_invariant: only the built-in engine has it, not {self.engine!r}")
         if self.prefix_cache_slots < 0:
@@ -243,6 +251,25 @@ class RolloutConfig:
             raise UsageError(
                 f"{path}.num_faults: must be >= 1 exactly when fault_step_prob > 0 (an option with no effect)"
             )
+
+    def _validate_sampling(self, path: str) -> None:
+        """Agent turns are trained on: their behaviour log-probs must be those of a distribution the
+        trainer recomputes, log softmax(logits / T) with T > 0 (greedy turns have none)."""
+        if not self.temperature > 0:
+            raise UsageError(
+                f"{path}.temperature: must be > 0 (greedy turns give no behaviour log-probs to train on), "
+                f"got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"{path}.top_p: must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UsageError(f"{path}.top_k: must be >= 0 (0 = off), got {self.top_k}")
+        for key, off in (("top_p", 1.0), ("top_k", 0)):
+            if getattr(self, key) != off:
+                raise UsageError(
+                    f"{path}.{key}: must be {off} (off): the trainer does not recompute the truncated "
+                    f"distribution, so its log-probs would not match the behaviour log-probs"
+                )
 
 
 @dataclass(frozen=True)
