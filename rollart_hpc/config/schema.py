@@ -239,6 +239,13 @@ class RolloutConfig:
         if self.num_slots < 1 or self.max_model_len < 16 or self.max_new_tokens < 1:
             raise UsageError(f"{path}: num_slots >= 1, max_model_len >= 16, max_new_tokens >= 1 required")
         self._validate_sampling(path)
+        if self.engine != "vllm":
+            for key in VllmConfig.__dataclass_fields__:
+                if getattr(self.vllm, key) != getattr(VllmConfig, key):
+                    raise UsageError(
+                        f"{path}.vllm.{key}: only the vLLM engine uses it (rollout.engine = "
+                        f"{self.engine!r}); remove it"
+                    )
         if self.batch_invariant and self.engine != "builtin":
             raise UsageError(f"{path}.batch_invariant: only the built-in engine has it, not {self.engine!r}")
         if self.prefix_cache_slots < 0:
