@@ -540,3 +540,34 @@ def test_rendered_hetjob_passes_shellcheck(tmp_path: Path) -> None:
         ["shellcheck", "-s", "bash", str(script)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout
+
+
+# --- network settings ------------------------------------------------------------------------------------
+
+NET = (
+    "cluster.net.nccl_socket_ifname=ib0",
+    "cluster.net.gloo_socket_ifname=eth1",
+    "cluster.net.nccl_env={NCCL_IB_HCA = 'mlx5_0 mlx5_1', NCCL_DEBUG = 'WARN'}",
+)
+NET_EXPORTS = [
+    "export PYTHONUNBUFFERED=1",
+    "export NCCL_SOCKET_IFNAME=ib0",
+    "export GLOO_SOCKET_IFNAME=eth1",
+    "export NCCL_IB_HCA='mlx5_0 mlx5_1'",
+    "export NCCL_DEBUG=WARN",
+]
+
+
+def test_network_settings_are_exported_by_the_hetjob_and_the_submitit_job(tmp_path: Path) -> None:
+    """[cluster.net] becomes export lines of the job (the ranks inherit them); the submit host does not
+    need the interfaces, the compute nodes do."""
+    config = load_config(_config_file(tmp_path, TWO_PARTITIONS), list(NET))
+    spec = submit.job_spec(config, HOSTILE_RUN_DIR, 30, 2)
+    script = render_hetjob(spec, het_components(make_plan(config.roles)))
+    start = script.index("export PYTHONUNBUFFERED=1")
+    assert script[start:].splitlines()[: len(NET_EXPORTS)] == NET_EXPORTS
+    single = load_config(_config_file(tmp_path, ONE_PARTITION), list(NET))
+    params = submitit_parameters(submit.job_spec(single, HOSTILE_RUN_DIR, 30, 2), make_plan(single.roles), 1)
+    assert params["setup"][: len(NET_EXPORTS)] == NET_EXPORTS
+    plain = load_config(_config_file(tmp_path, TWO_PARTITIONS))
+    assert submit.job_spec(plain, HOSTILE_RUN_DIR, 30, 2).env == ()

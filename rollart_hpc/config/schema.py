@@ -50,6 +50,54 @@ class RunConfig:
             raise UsageError(f"{path}.name: {self.name!r} must be non-empty with no slashes or newlines")
 
 
+IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")  # one network interface name (Linux: at most 15 bytes)
+NCCL_ENV_NAME = re.compile(r"NCCL_[A-Z0-9_]+")
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """The [cluster.net] table: which network interfaces the ranks talk over, exported to every rank's
+    environment by the local launcher and by the rendered SLURM job script."""
+
+    nccl_socket_ifname: str = doc_field(
+        "", "Network interface NCCL bootstraps and sends over (NCCL_SOCKET_IFNAME), e.g. 'ib0'; '' = unset."
+    )
+    gloo_socket_ifname: str = doc_field(
+        "",
+        "Network interface of gloo (GLOO_SOCKET_IFNAME); '' = unset. The rendezvous stores of the torch "
+        "groups listen on this node's address on it (else on nccl_socket_ifname's; neither: the address "
+        "the host name resolves to).",
+    )
+    nccl_env: dict[str, str] = doc_field(
+        {},
+        "More NCCL settings exported to every rank, e.g. {NCCL_IB_HCA = 'mlx5_0', NCCL_DEBUG = 'WARN'}; "
+        "keys start with NCCL_.",
+    )
+
+    def validate(self, path: str) -> None:
+        for key in ("nccl_socket_ifname", "gloo_socket_ifname"):
+            name = getattr(self, key)
+            if name and not IFNAME.fullmatch(name):
+                raise UsageError(f"{path}.{key}: {name!r} is not a network interface name")
+        for key in self.nccl_env:
+            if not NCCL_ENV_NAME.fullmatch(key):
+                raise UsageError(f"{path}.nccl_env.{key}: keys are NCCL_ variables (NCCL_[A-Z0-9_]+)")
+            if key == "NCCL_SOCKET_IFNAME":
+                raise UsageError(f"{path}.nccl_env.{key}: set {path}.nccl_socket_ifname instead")
+
+    def environment(self) -> dict[str, str]:
+        """The variables every rank gets (unset interfaces left out)."""
+        names = {"NCCL_SOCKET_IFNAME": self.nccl_socket_ifname, "GLOO_SOCKET_IFNAME": self.gloo_socket_ifname}
+        return {**{k: v for k, v in names.items() if v}, **self.nccl_env}
+
+    def store_interface(self) -> tuple[str, str]:
+        """(dotted key, interface) the rendezvous stores listen on; ('', '') when none is named."""
+        for key in ("gloo_socket_ifname", "nccl_socket_ifname"):
+            if getattr(self, key):
+                return f"cluster.net.{key}", getattr(self, key)
+        return "", ""
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     peer_timeout_s: float = doc_field(
@@ -91,6 +139,7 @@ class ClusterConfig:
         "SLURM's KillWait above it; the local launcher still ends its world 5 s after its own SIGTERM). "
         "0: SIGTERM ends a rank at once.",
     )
+    net: NetConfig = doc_field(NetConfig, "Network interfaces and NCCL settings of the ranks.")
 
     def validate(self, path: str) -> None:
         if self.sigterm_grace_s < 0:

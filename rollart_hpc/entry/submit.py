@@ -134,6 +134,7 @@ def job_spec(config: Config, run_dir: Path, time_min: int, max_requeues: int) ->
         max_requeues,
         max_restarts=config.cluster.max_restarts,
         job=config.run.job,
+        env=tuple(config.cluster.net.environment().items()),
     )
 
 
