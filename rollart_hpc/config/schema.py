@@ -129,6 +129,12 @@ class ClusterConfig:
         "in the same allocation, a submitit job is requeued. 0: a crash ends the job FAILED and "
         "`launch.py resume` continues it. Local runs take `--max-restarts N` instead.",
     )
+    signal_lead_s: int = doc_field(
+        60,
+        "SLURM jobs: seconds before the time limit at which SLURM sends the stop signal (SIGUSR2; sbatch "
+        "`--signal=B:USR2@N`, submitit's signal_delay_s), so the run can checkpoint and requeue: leave "
+        "it more than a checkpoint takes.",
+    )
 
     sigterm_grace_s: float = doc_field(
         0.0,
@@ -146,6 +152,8 @@ class ClusterConfig:
             raise UsageError(f"{path}.sigterm_grace_s: must be >= 0, got {self.sigterm_grace_s}")
         if self.max_restarts < 0:
             raise UsageError(f"{path}.max_restarts: must be >= 0, got {self.max_restarts}")
+        if self.signal_lead_s <= 0:
+            raise UsageError(f"{path}.signal_lead_s: must be > 0, got {self.signal_lead_s}")
         if self.peer_timeout_s <= 0:
             raise UsageError(f"{path}.peer_timeout_s: must be > 0, got {self.peer_timeout_s}")
         if self.launch_timeout_s < 0:
