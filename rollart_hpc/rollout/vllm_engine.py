@@ -33,7 +33,8 @@ rank 0's completions; it is not used.)
 
 Invariants: every added request yields exactly one finished output (stop, length, abort or error)
 through step() (prompt ids outside the vocabulary are refused here: vLLM does not check them); has_unfinished() stays true until that output was returned; log-probs are vLLM's
-processed log-probs (after temperature, top-k and top-p), i.e. of the distribution sampled from.
+processed log-probs (after temperature, top-k and top-p), i.e. of the distribution sampled from (a run
+keeps top-k and top-p off, so they are log softmax(logits / T), what the trainer recomputes).
 """
 
 from __future__ import annotations
