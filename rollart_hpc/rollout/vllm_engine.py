@@ -13,8 +13,9 @@ Weight swap (update_weights, blocking the calling thread): pause_generation(mode
 clear_cache=True) -> collective_rpc(begin a layerwise reload) -> per chunk of at most `staging_bytes`
 (one publication bucket; a larger tensor alone): pack it into the staging buffer shared with the workers
 (`vllm_staging`, sized for one chunk, never the whole model), collective_rpc(load it) -> collective_rpc
-(finish the reload) -> update_weight_version(str(v)) -> resume_generation(). "keep" freezes running requests between two engine steps; clear_cache drops the
-prefix cache and preempts running requests, whose KV is recomputed under the new weights after resume.
+(finish the reload) -> update_weight_version(str(v)) -> resume_generation(). "keep" freezes running
+requests between two engine steps; clear_cache drops the prefix cache and preempts running requests,
+whose KV is recomputed under the new weights after resume.
 So no forward pass mixes versions, and every token after the swap comes from the new version alone.
 A failed load leaves the engine paused and failed: step() raises, nothing is sampled from a
 half-loaded model.
