@@ -198,3 +198,37 @@ def test_engine_dtype_is_the_published_dtype_unless_vllm_names_one():
     assert (engine_dtype(vllm, "fp32"), engine_dtype(vllm, "bf16")) == ("float32", "bfloat16")
     pinned = build(Config, {"rollout": {"engine": "vllm", "vllm": {"dtype": "float32"}}}).rollout
     assert engine_dtype(pinned, "bf16") == "float32"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("temperature", -1.0, r"rollout\.temperature: must be > 0 \(greedy turns .*got -1\.0"),
+        ("temperature", 0.0, r"rollout\.temperature: must be > 0"),
+        ("top_p", 2.0, r"rollout\.top_p: must lie in \(0, 1\], got 2\.0"),
+        ("top_p", 0.0, r"rollout\.top_p: must lie in \(0, 1\], got 0\.0"),
+        ("top_k", -1, r"rollout\.top_k: must be >= 0 \(0 = off\), got -1"),
+        ("top_p", 0.9, r"rollout\.top_p: must be 1\.0 \(off\): the trainer does not recompute the truncated"),
+        ("top_k", 20, r"rollout\.top_k: must be 0 \(off\): the trainer does not recompute the truncated"),
+    ],
+)
+def test_rollout_sampling_values_are_checked(key, value, message):
+    with pytest.raises(UsageError, match=message):
+        build(Config, {"rollout": {key: value}})
+
+
+def test_rollout_temperature_reaches_the_trainer_and_dry_run_refuses_a_bad_one():
+    from rollart_hpc.train.config import TrainerConfig
+
+    section = build(Config, {"rollout": {"temperature": 0.7}})
+    cfg = TrainerConfig.from_config(
+        section.trainer, lr=1e-3, seed=0, timeout_s=30.0, temperature=section.rollout.temperature
+    )
+    assert cfg.temperature == 0.7
+    result = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "run", "configs/tiny.toml", "--dry-run", "rollout.top_p=2"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: rollout.top_p: must lie in (0, 1], got 2.0"
+    ], result.stderr

@@ -102,6 +102,18 @@ def test_sync_equals_async_with_zero_staleness(tmp_path):
     assert len(trained_by_step(sync_dir)) == 3
 
 
+def test_trainer_log_probs_equal_the_behaviour_log_probs_at_the_sampling_temperature(tmp_path):
+    """Sync mode trains step 0 on version 0's samples: at rollout.temperature 0.7 the trainer's log-probs
+    of every action token equal the engine's recorded ones (importance ratio 1)."""
+    run_dir = run(
+        tmp_path, "hot", "controller.mode=sync", "controller.num_steps=1", "rollout.temperature=0.7"
+    )
+    (row,) = rows(run_dir)
+    assert row["step"] == 0 and row["num_action_tokens"] > 0
+    assert row["max_abs_behaviour_log_ratio"] < 1e-5
+    assert row["is_weight"] == pytest.approx(1.0, abs=1e-5)
+
+
 def start_run(run_dir, *overrides):
     return subprocess.Popen(
         [

@@ -540,3 +540,59 @@ def test_rendered_hetjob_passes_shellcheck(tmp_path: Path) -> None:
         ["shellcheck", "-s", "bash", str(script)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout
+
+
+# --- network settings ------------------------------------------------------------------------------------
+
+NET = (
+    "cluster.net.nccl_socket_ifname=ib0",
+    "cluster.net.gloo_socket_ifname=eth1",
+    "cluster.net.nccl_env={NCCL_IB_HCA = 'mlx5_0 mlx5_1', NCCL_DEBUG = 'WARN'}",
+)
+NET_EXPORTS = [
+    "export PYTHONUNBUFFERED=1",
+    "export NCCL_SOCKET_IFNAME=ib0",
+    "export GLOO_SOCKET_IFNAME=eth1",
+    "export NCCL_IB_HCA='mlx5_0 mlx5_1'",
+    "export NCCL_DEBUG=WARN",
+]
+
+
+def test_network_settings_are_exported_by_the_hetjob_and_the_submitit_job(tmp_path: Path) -> None:
+    """[cluster.net] becomes export lines of the job (the ranks inherit them); the submit host does not
+    need the interfaces, the compute nodes do."""
+    config = load_config(_config_file(tmp_path, TWO_PARTITIONS), list(NET))
+    spec = submit.job_spec(config, HOSTILE_RUN_DIR, 30, 2)
+    script = render_hetjob(spec, het_components(make_plan(config.roles)))
+    start = script.index("export PYTHONUNBUFFERED=1")
+    assert script[start:].splitlines()[: len(NET_EXPORTS)] == NET_EXPORTS
+    single = load_config(_config_file(tmp_path, ONE_PARTITION), list(NET))
+    params = submitit_parameters(submit.job_spec(single, HOSTILE_RUN_DIR, 30, 2), make_plan(single.roles), 1)
+    assert params["setup"][: len(NET_EXPORTS)] == NET_EXPORTS
+    plain = load_config(_config_file(tmp_path, TWO_PARTITIONS))
+    assert submit.job_spec(plain, HOSTILE_RUN_DIR, 30, 2).env == ()
+
+
+def test_signal_lead_is_rendered_from_the_config(tmp_path: Path) -> None:
+    config = load_config(_config_file(tmp_path, TWO_PARTITIONS), ["cluster.signal_lead_s=300"])
+    spec = submit.job_spec(config, HOSTILE_RUN_DIR, 30, 2)
+    script = render_hetjob(spec, het_components(make_plan(config.roles)))
+    assert "\n#SBATCH --signal=B:USR2@300\n" in script and "USR2@60" not in script
+    assert "sends SIGUSR2 to this batch shell 300 s before the time limit" in script
+    single = load_config(_config_file(tmp_path, ONE_PARTITION), ["cluster.signal_lead_s=90"])
+    params = submitit_parameters(submit.job_spec(single, HOSTILE_RUN_DIR, 30, 2), make_plan(single.roles), 1)
+    assert params["signal_delay_s"] == 90
+    default = load_config(_config_file(tmp_path, TWO_PARTITIONS))
+    assert submit.job_spec(default, HOSTILE_RUN_DIR, 30, 2).signal_delay_s == 60
+    with pytest.raises(
+        UsageError, match=r"^cluster\.signal_lead_s: 1800 s is not below the time limit \(--time-min 30\)"
+    ):
+        submit.job_spec(
+            load_config(_config_file(tmp_path, TWO_PARTITIONS), ["cluster.signal_lead_s=1800"]),
+            HOSTILE_RUN_DIR,
+            30,
+            2,
+        )
+    for bad in (0, -5):
+        with pytest.raises(UsageError, match=rf"^cluster\.signal_lead_s: must be > 0, got {bad}$"):
+            load_config(_config_file(tmp_path, TWO_PARTITIONS), [f"cluster.signal_lead_s={bad}"])

@@ -211,7 +211,10 @@ def test_rl_step_reports_the_algorithm_library_loss_and_diagnostics(model_dir: P
         "num_action_tokens",
         "step",
         "num_updates",
+        "max_abs_behaviour_log_ratio",
     }
+    gap = float(shift[batch.action_mask].abs().max())
+    assert metrics["max_abs_behaviour_log_ratio"] == pytest.approx(gap, rel=1e-5)
 
 
 def _params(trainer: Trainer) -> list[torch.Tensor]:
@@ -385,3 +388,38 @@ def test_bf16_checkpoint_resume_restores_the_fp32_main_params(
     assert all(torch.equal(a, b) for a, b in zip(_main_params(resumed), _main_params(first), strict=True))
     assert _train(resumed, range(2, 4)) == _train(first, range(2, 4))
     assert all(torch.equal(a, b) for a, b in zip(_params(resumed), _params(first), strict=True))
+
+
+@pytest.mark.parametrize("impl", ["fused", "eager"])
+def test_rl_logprobs_are_taken_at_the_sampling_temperature(model_dir: Path, impl: str) -> None:
+    """temperature T: logprobs() and the RL step's (recomputed) proximal log-probs are log softmax(logits
+    / T), so behaviour log-probs recorded at T give a zero gap; the warm start stays at T = 1."""
+    from transformers import AutoModelForCausalLM
+
+    def trainer(temperature: float, ppo_epochs: int = 1) -> Trainer:
+        cfg = TrainerConfig(
+            optim=OptimConfig(lr=1e-3), micro_batch_tokens=40, loss_impl=impl, ppo_epochs=ppo_epochs,
+            temperature=temperature,
+        )  # fmt: skip
+        return Trainer(model_dir, cfg)
+
+    hot = trainer(0.7)
+    batch = _batch(hot.config.vocab_size, [17, 9, 23], [1.0, -1.0, 0.5])
+    ours = hot.logprobs(batch)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for i in range(batch.num_sequences):
+        lo, hi = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
+        ids = batch.tokens[lo:hi]
+        with torch.no_grad():
+            logits = hf(ids[None]).logits[0, :-1] / 0.7
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0]
+        assert float((ours[lo + 1 : hi] - ref).abs().max()) < 1e-5
+    assert float((ours - trainer(1.0).logprobs(batch)).abs().max()) > 1e-2
+    sampled = _with_behaviour(batch, ours)
+    assert hot.rl_step(sampled, batch.num_action_tokens, LossConfig())["max_abs_behaviour_log_ratio"] < 1e-5
+    epochs = trainer(0.7, ppo_epochs=2).rl_step(sampled, batch.num_action_tokens, LossConfig())
+    assert epochs["num_updates"] == 2 and epochs["max_abs_behaviour_log_ratio"] < 1e-5
+    off = trainer(1.0).rl_step(sampled, batch.num_action_tokens, LossConfig())
+    assert off["max_abs_behaviour_log_ratio"] > 1e-2
+    nll = -trainer(1.0).logprobs(batch)[batch.action_mask].mean()
+    assert trainer(0.7).sft_step(batch)["loss"] == pytest.approx(float(nll), rel=1e-5)

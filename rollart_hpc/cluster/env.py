@@ -1,7 +1,8 @@
 """The one reader of the process environment: MPI launcher and SLURM variables.
 
 Everything else receives a `ProcessEnv`; no other module reads OMPI_*, PMI_*, PMIX_* or SLURM_* variables,
-nor the GPUs the launcher gave the process (CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS).
+nor the GPUs the launcher gave the process (CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS), nor this node's
+network interfaces (`interface_address`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from rollart_hpc.config.schema import NetConfig
+from rollart_hpc.contracts.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -62,4 +66,26 @@ def read_process_env(env: Mapping[str, str] | None = None) -> ProcessEnv:
         slurm_restart_count=_first_int(env, "SLURM_RESTART_COUNT") or 0,
         slurm_het_group=_first_int(env, "SLURM_HET_JOB_ID_SET_INDEX", "SLURM_HET_GROUP"),
         visible_gpus=_gpu_list(env),
+    )
+
+
+def store_host(net: NetConfig) -> str:
+    """This node's address for the rendezvous stores it serves to other nodes: on the interface
+    [cluster.net] names (gloo's, else NCCL's); '' when it names none."""
+    key, name = net.store_interface()
+    return interface_address(name, key) if name else ""
+
+
+def interface_address(name: str, key: str) -> str:
+    """This node's IPv4 address on network interface `name`; a UsageError naming the config `key` and the
+    node's interfaces when it has no such interface (or no IPv4 address on it)."""
+    import psutil
+
+    interfaces = psutil.net_if_addrs()
+    for addr in interfaces.get(name, []):
+        if addr.family == socket.AF_INET:
+            return str(addr.address)
+    have = ", ".join(sorted(interfaces))
+    raise UsageError(
+        f"{key}: no network interface {name!r} with an IPv4 address on {socket.gethostname()} (it has {have})"
     )

@@ -116,7 +116,8 @@ class HetComponent:
 class JobSpec:
     """What every submission of a run shares. `run_dir`, `python` and `mpi_env` are absolute paths;
     `job` is the run's `run.job` (a key of FINISH_MARKERS); `max_restarts` is `cluster.max_restarts`
-    (restarts after a failed step, see `rollart_hpc.entry.restarts`)."""
+    (restarts after a failed step, see `rollart_hpc.entry.restarts`); `env` the (name, value) pairs
+    exported to every rank (`cluster.net`)."""
 
     name: str
     run_dir: Path
@@ -127,6 +128,7 @@ class JobSpec:
     mpi_env: Path = MPI_ENV
     max_restarts: int = 0
     job: str = field(kw_only=True)
+    env: tuple[tuple[str, str], ...] = field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         if self.job not in FINISH_MARKERS:
@@ -386,6 +388,7 @@ def render_job(spec: JobSpec, components: tuple[HetComponent, ...], template_dir
         "TIME_MIN": str(spec.time_min),
         "MAX_REQUEUES": str(spec.max_requeues),
         "MAX_RESTARTS": str(spec.max_restarts),
+        "EXPORTS": "\n".join(export_lines(spec)),
         "FINISH_MARKER": shlex.quote(spec.finish_marker or ""),
         "COMPONENTS": "\n".join(component_lines(components)),
         "RUN_DIR": shlex.quote(str(spec.run_dir)),
@@ -409,7 +412,7 @@ def submitit_parameters(spec: JobSpec, plan: RunPlan, nodes: int) -> dict[str, A
         "time": spec.time_min,
         "signal_delay_s": spec.signal_delay_s,
         "setup": [
-            "export PYTHONUNBUFFERED=1",
+            *export_lines(spec),
             f"source {shlex.quote(str(spec.mpi_env))} || exit 1",
             *restart_trap(spec),
         ],
@@ -420,6 +423,11 @@ def submitit_parameters(spec: JobSpec, plan: RunPlan, nodes: int) -> dict[str, A
         params["partition"] = component.partition
     params.update(submitit_resources(component))
     return params
+
+
+def export_lines(spec: JobSpec) -> list[str]:
+    """The job's `export` lines: unbuffered Python output, then the run's network settings (quoted)."""
+    return ["export PYTHONUNBUFFERED=1", *(f"export {name}={shlex.quote(value)}" for name, value in spec.env)]
 
 
 def restart_trap(spec: JobSpec) -> list[str]:

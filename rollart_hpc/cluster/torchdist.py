@@ -56,7 +56,7 @@ def timed_wait(work: Any, world: World, what: str, ranks: list[int]) -> None:
 
 def rendezvous_store(world: World, member_ranks: list[int], tag: Tag, timeout: dt.timedelta) -> Any:
     """Collective over `member_ranks` (MPI messages with `tag`): the `TCPStore` of a new torch group.
-    The first member serves it on 127.0.0.1 when every member is on its node, else on its host address."""
+    The first member serves it on 127.0.0.1 when every member is on its node, else on `store_address`."""
     first = member_ranks[0]
     if world.rank != first:
         world.send(world.env.node_name, first, tag)
@@ -64,11 +64,17 @@ def rendezvous_store(world: World, member_ranks: list[int], tag: Tag, timeout: d
         return dist.TCPStore(host, port, len(member_ranks), False, timeout, wait_for_workers=False)
     nodes = [world.recv(peer, tag) for peer in member_ranks[1:]]
     same_node = all(n == world.env.node_name for n in nodes)
-    host = "127.0.0.1" if same_node else socket.gethostbyname(socket.gethostname())
+    host = "127.0.0.1" if same_node else store_address(world)
     server = dist.TCPStore(host, 0, len(member_ranks), True, timeout, wait_for_workers=False)
     for peer in member_ranks[1:]:
         world.send((host, int(server.port)), peer, tag)
     return server
+
+
+def store_address(world: World) -> str:
+    """The address other nodes reach this node's stores on: `World.store_host` (its address on the
+    interface [cluster.net] names), else the address its host name resolves to."""
+    return world.store_host or socket.gethostbyname(socket.gethostname())
 
 
 def init_torch_groups(world: World, requested_backend: str) -> TorchGroups:

@@ -30,6 +30,8 @@ class World:
     env: ProcessEnv
     timeout_s: float
     role_comm: MPI.Comm = field(init=False)
+    store_host: str = ""
+    """This node's address for rendezvous stores served to other nodes ('' = its host name's address)."""
 
     def __post_init__(self) -> None:
         self.rank = self.comm.Get_rank()
@@ -93,8 +95,9 @@ class World:
         return None
 
 
-def make_world(plan: RunPlan, env: ProcessEnv, timeout_s: float) -> World:
-    """Initialise MPI (threads allowed) and build this rank's World; checks the world size matches the plan."""
+def make_world(plan: RunPlan, env: ProcessEnv, timeout_s: float, store_host: str = "") -> World:
+    """Initialise MPI (threads allowed) and build this rank's World; checks the world size matches the plan.
+    `store_host`: this node's address for rendezvous stores ('' = the address its host name resolves to)."""
     import mpi4py
 
     mpi4py.rc.threads = True
@@ -104,4 +107,4 @@ def make_world(plan: RunPlan, env: ProcessEnv, timeout_s: float) -> World:
     comm = MPI.COMM_WORLD
     if comm.Get_size() != plan.world_size:
         raise RuntimeError(f"MPI world has {comm.Get_size()} ranks but the run plan needs {plan.world_size}")
-    return World(comm, plan, env, timeout_s)
+    return World(comm, plan, env, timeout_s, store_host=store_host)

@@ -50,6 +50,54 @@ class RunConfig:
             raise UsageError(f"{path}.name: {self.name!r} must be non-empty with no slashes or newlines")
 
 
+IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")  # one network interface name (Linux: at most 15 bytes)
+NCCL_ENV_NAME = re.compile(r"NCCL_[A-Z0-9_]+")
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """The [cluster.net] table: which network interfaces the ranks talk over, exported to every rank's
+    environment by the local launcher and by the rendered SLURM job script."""
+
+    nccl_socket_ifname: str = doc_field(
+        "", "Network interface NCCL bootstraps and sends over (NCCL_SOCKET_IFNAME), e.g. 'ib0'; '' = unset."
+    )
+    gloo_socket_ifname: str = doc_field(
+        "",
+        "Network interface of gloo (GLOO_SOCKET_IFNAME); '' = unset. The rendezvous stores of the torch "
+        "groups listen on this node's address on it (else on nccl_socket_ifname's; neither: the address "
+        "the host name resolves to).",
+    )
+    nccl_env: dict[str, str] = doc_field(
+        {},
+        "More NCCL settings exported to every rank, e.g. {NCCL_IB_HCA = 'mlx5_0', NCCL_DEBUG = 'WARN'}; "
+        "keys start with NCCL_.",
+    )
+
+    def validate(self, path: str) -> None:
+        for key in ("nccl_socket_ifname", "gloo_socket_ifname"):
+            name = getattr(self, key)
+            if name and not IFNAME.fullmatch(name):
+                raise UsageError(f"{path}.{key}: {name!r} is not a network interface name")
+        for key in self.nccl_env:
+            if not NCCL_ENV_NAME.fullmatch(key):
+                raise UsageError(f"{path}.nccl_env.{key}: keys are NCCL_ variables (NCCL_[A-Z0-9_]+)")
+            if key == "NCCL_SOCKET_IFNAME":
+                raise UsageError(f"{path}.nccl_env.{key}: set {path}.nccl_socket_ifname instead")
+
+    def environment(self) -> dict[str, str]:
+        """The variables every rank gets (unset interfaces left out)."""
+        names = {"NCCL_SOCKET_IFNAME": self.nccl_socket_ifname, "GLOO_SOCKET_IFNAME": self.gloo_socket_ifname}
+        return {**{k: v for k, v in names.items() if v}, **self.nccl_env}
+
+    def store_interface(self) -> tuple[str, str]:
+        """(dotted key, interface) the rendezvous stores listen on; ('', '') when none is named."""
+        for key in ("gloo_socket_ifname", "nccl_socket_ifname"):
+            if getattr(self, key):
+                return f"cluster.net.{key}", getattr(self, key)
+        return "", ""
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     peer_timeout_s: float = doc_field(
@@ -81,6 +129,12 @@ class ClusterConfig:
         "in the same allocation, a submitit job is requeued. 0: a crash ends the job FAILED and "
         "`launch.py resume` continues it. Local runs take `--max-restarts N` instead.",
     )
+    signal_lead_s: int = doc_field(
+        60,
+        "SLURM jobs: seconds before the time limit at which SLURM sends the stop signal (SIGUSR2; sbatch "
+        "`--signal=B:USR2@N`, submitit's signal_delay_s), so the run can checkpoint and requeue: leave "
+        "it more than a checkpoint takes.",
+    )
 
     sigterm_grace_s: float = doc_field(
         0.0,
@@ -91,12 +145,15 @@ class ClusterConfig:
         "SLURM's KillWait above it; the local launcher still ends its world 5 s after its own SIGTERM). "
         "0: SIGTERM ends a rank at once.",
     )
+    net: NetConfig = doc_field(NetConfig, "Network interfaces and NCCL settings of the ranks.")
 
     def validate(self, path: str) -> None:
         if self.sigterm_grace_s < 0:
             raise UsageError(f"{path}.sigterm_grace_s: must be >= 0, got {self.sigterm_grace_s}")
         if self.max_restarts < 0:
             raise UsageError(f"{path}.max_restarts: must be >= 0, got {self.max_restarts}")
+        if self.signal_lead_s <= 0:
+            raise UsageError(f"{path}.signal_lead_s: must be > 0, got {self.signal_lead_s}")
         if self.peer_timeout_s <= 0:
             raise UsageError(f"{path}.peer_timeout_s: must be > 0, got {self.peer_timeout_s}")
         if self.launch_timeout_s < 0:
@@ -190,9 +247,16 @@ class RolloutConfig:
     )
     num_slots: int = doc_field(16, "Concurrent sequences per engine (KV-cache slots).")
     max_model_len: int = doc_field(1024, "Longest sequence (prompt + generation) an engine holds.")
-    temperature: float = doc_field(1.0, "Sampling temperature of agent turns.")
-    top_p: float = doc_field(1.0, "Nucleus sampling threshold.")
-    top_k: int = doc_field(0, "Top-k sampling (0 = off).")
+    temperature: float = doc_field(
+        1.0,
+        "Sampling temperature T of agent turns (> 0); the engines record log softmax(logits / T) as the "
+        "behaviour log-probs and the trainer's RL log-probs are taken at the same T.",
+    )
+    top_p: float = doc_field(
+        1.0,
+        "Nucleus sampling threshold; must stay 1 (the trainer does not recompute truncated distributions).",
+    )
+    top_k: int = doc_field(0, "Top-k sampling; must stay 0 = off (as top_p).")
     max_new_tokens: int = doc_field(32, "Longest generation of one agent turn.")
     num_threads: int = doc_field(1, "torch threads of a rollout rank.")
     vllm: VllmConfig = doc_field(VllmConfig, "vLLM engine settings (rollout.engine = 'vllm').")
@@ -231,6 +295,14 @@ class RolloutConfig:
             )
         if self.num_slots < 1 or self.max_model_len < 16 or self.max_new_tokens < 1:
             raise UsageError(f"{path}: num_slots >= 1, max_model_len >= 16, max_new_tokens >= 1 required")
+        self._validate_sampling(path)
+        if self.engine != "vllm":
+            for key in VllmConfig.__dataclass_fields__:
+                if getattr(self.vllm, key) != getattr(VllmConfig, key):
+                    raise UsageError(
+                        f"{path}.vllm.{key}: only the vLLM engine uses it (rollout.engine = "
+                        f"{self.engine!r}); remove it"
+                    )
         if self.batch_invariant and self.engine != "builtin":
             raise UsageError(f"{path}.batch_invariant: only the built-in engine has it, not {self.engine!r}")
         if self.prefix_cache_slots < 0:
@@ -243,6 +315,25 @@ class RolloutConfig:
             raise UsageError(
                 f"{path}.num_faults: must be >= 1 exactly when fault_step_prob > 0 (an option with no effect)"
             )
+
+    def _validate_sampling(self, path: str) -> None:
+        """Agent turns are trained on: their behaviour log-probs must be those of a distribution the
+        trainer recomputes, log softmax(logits / T) with T > 0 (greedy turns have none)."""
+        if not self.temperature > 0:
+            raise UsageError(
+                f"{path}.temperature: must be > 0 (greedy turns give no behaviour log-probs to train on), "
+                f"got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"{path}.top_p: must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UsageError(f"{path}.top_k: must be >= 0 (0 = off), got {self.top_k}")
+        for key, off in (("top_p", 1.0), ("top_k", 0)):
+            if getattr(self, key) != off:
+                raise UsageError(
+                    f"{path}.{key}: must be {off} (off): the trainer does not recompute the truncated "
+                    f"distribution, so its log-probs would not match the behaviour log-probs"
+                )
 
 
 @dataclass(frozen=True)

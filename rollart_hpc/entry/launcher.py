@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,7 +77,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def check_inputs(config: Config) -> None:
-    """The files a run reads, checked before the run directory is written: UsageError, one line."""
+    """The files a run reads and the network interfaces it names (all ranks run on this node), checked
+    before the run directory is written: UsageError, one line."""
+    from rollart_hpc.cluster.env import interface_address
+
+    net = config.cluster.net
+    for key in ("nccl_socket_ifname", "gloo_socket_ifname"):
+        if getattr(net, key):
+            interface_address(getattr(net, key), f"cluster.net.{key}")
     if config.model.source == "path":
         from rollart_hpc.models.validate import check_model_dir
 
@@ -110,8 +118,9 @@ def mpiexec_command(world_size: int, run_dir: Path) -> list[str]:
     ]
 
 
-def mpi_environment() -> dict[str, str]:
-    env = dict(os.environ)
+def mpi_environment(net_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ranks' environment: the launcher's, plus `net_env` (the run's [cluster.net] variables)."""
+    env = {**os.environ, **(net_env or {})}
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.setdefault("OMPI_MCA_btl", "self,tcp")  # shared-memory segments collide between co-located worlds
@@ -134,8 +143,11 @@ def run_world_outcome(run_dir: Path, world_size: int, timeout_s: float = 0.0) ->
         stale.unlink()
     if RunLayout(run_dir).failures.exists():  # an earlier attempt's reports (resume) are not this world's
         shutil.rmtree(RunLayout(run_dir).failures)
+    from rollart_hpc.config import read_resolved
+
+    net_env = read_resolved(run_dir).cluster.net.environment()
     proc = subprocess.Popen(
-        mpiexec_command(world_size, run_dir), env=mpi_environment(), start_new_session=True
+        mpiexec_command(world_size, run_dir), env=mpi_environment(net_env), start_new_session=True
     )
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
     reason = None

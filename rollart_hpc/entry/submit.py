@@ -124,16 +124,20 @@ def requeue_after_stop(run_dir: Path, max_requeues: int) -> None:
 
 
 def job_spec(config: Config, run_dir: Path, time_min: int, max_requeues: int) -> JobSpec:
-    """The job of one run of `config` in `run_dir` (restarts and finish marker from the config)."""
+    """The job of one run of `config` in `run_dir` (restarts, stop signal lead, network settings and
+    finish marker from the config)."""
     from rollart_hpc.cluster.sbatch import JobSpec
 
+    check_signal_lead(config.cluster.signal_lead_s, time_min)
     return JobSpec(
         config.run.name,
         run_dir,
         time_min,
         max_requeues,
+        signal_delay_s=config.cluster.signal_lead_s,
         max_restarts=config.cluster.max_restarts,
         job=config.run.job,
+        env=tuple(config.cluster.net.environment().items()),
     )
 
 
@@ -164,6 +168,14 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-requeues must be >= 0, got {args.max_requeues}")
     if args.out and not args.dry_run:
         raise UsageError("--out writes the job script instead of submitting it: add --dry-run")
+
+
+def check_signal_lead(signal_lead_s: int, time_min: int) -> None:
+    """The stop signal must come before the time limit, or the job is signalled as soon as it starts."""
+    if signal_lead_s >= time_min * 60:
+        raise UsageError(
+            f"cluster.signal_lead_s: {signal_lead_s} s is not below the time limit (--time-min {time_min})"
+        )
 
 
 def require_slurm() -> None:

@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from rollart_hpc.cluster import lifetime, signals
-from rollart_hpc.cluster.env import read_process_env
+from rollart_hpc.cluster.env import read_process_env, store_host
 from rollart_hpc.cluster.placement import apply_placement, place_rank
 from rollart_hpc.cluster.plan import make_plan
 from rollart_hpc.cluster.procs import rank_exit_path
@@ -84,7 +84,9 @@ def machine_gpu_count() -> int:
 def run_rank(run_dir: Path) -> int:
     config: Config = read_resolved(run_dir)
     plan = make_plan(config.roles)
-    world = make_world(plan, read_process_env(), config.cluster.peer_timeout_s)
+    world = make_world(
+        plan, read_process_env(), config.cluster.peer_timeout_s, store_host(config.cluster.net)
+    )
     pid_file = RunLayout(run_dir).pid_file(world.rank)
     record = {"pid": os.getpid(), "pgid": os.getpgid(0), "role": world.role, "node": world.env.node_name}
     atomic_write_json(pid_file, record)

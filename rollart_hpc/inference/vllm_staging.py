@@ -4,50 +4,54 @@ vLLM's engine core and workers run in child processes of the rollout rank, and t
 arguments are serialised element by element. So new weights travel through one flat byte buffer that
 both sides map: the rollout rank packs the received tensors into it (one copy, at memory bandwidth) and
 then asks every worker, by a collective RPC carrying only a small handle and the layout, to load the
-named views of that buffer into its model.
+named views of that buffer into its model. A version moves in chunks (`chunk_layouts`: consecutive
+tensors of at most one publication bucket, a larger tensor alone), packed one after the other into the
+same buffer, so the buffer holds one bucket, never the whole model.
 
 - CPU: a file under /dev/shm (or the temp dir) mapped shared by both sides (`torch.from_file`).
 - CUDA: one device allocation exported by CUDA IPC (`torch.multiprocessing.reductions.reduce_tensor`);
   workers open it on the same device index, which names the same GPU because vLLM's workers inherit the
   rollout rank's CUDA_VISIBLE_DEVICES.
 
-Invariants: the layout places every tensor at an ALIGN-aligned offset of a single bucket (see
-`rollart_hpc.weights.buckets`); the rollout rank writes the buffer only while no load RPC is running
-(the engine serialises updates), and the workers finish reading (device synchronised) before the RPC
-returns. The owner keeps the buffer alive (and the file linked) until `close()`.
+Invariants: a chunk's layout places every tensor at an ALIGN-aligned offset of a single bucket no larger
+than the buffer (see `rollart_hpc.weights.buckets`); the rollout rank writes the buffer only while no
+load RPC is running (the engine serialises updates and chunks), and the workers finish reading (device
+synchronised) before the RPC returns. The owner keeps the buffer alive (and the file linked) until
+`close()`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rollart_hpc.weights.buckets import ALIGN, BucketLayout, pack, plan_layout, unpack
+from rollart_hpc.weights.buckets import ALIGN, BucketLayout, TensorSlot, layout_for, pack, unpack
 
 SHM_DIR = Path("/dev/shm")
 
 
-def single_bucket_layout(named: Mapping[str, torch.Tensor]) -> BucketLayout:
-    """A layout that places every tensor of `named`, in order, into one bucket."""
-    total = sum((t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN for t in named.values())
-    return plan_layout(((n, tuple(t.shape), t.dtype) for n, t in named.items()), max(total, ALIGN))
+def chunk_layouts(named: Sequence[tuple[str, torch.Tensor]], capacity: int) -> list[BucketLayout]:
+    """`named`, in order, as single-bucket layouts of consecutive tensors, each at most `capacity` bytes
+    (a tensor larger than that alone, in a bucket of its own size): the chunks of one staged update."""
+    layout = layout_for(named, max(capacity, ALIGN))
+    slots: list[list[TensorSlot]] = [[] for _ in range(layout.num_buckets)]
+    for slot in layout.slots:
+        slots[slot.bucket].append(dataclasses.replace(slot, bucket=0))
+    return [BucketLayout(tuple(s), (n,)) for s, n in zip(slots, layout.bucket_nbytes, strict=True)]
 
 
 class StagingBuffer:
-    """One flat uint8 buffer on `device`, shareable with child processes through `handle`."""
+    """One flat uint8 buffer of `nbytes` on `device`, shareable with child processes through `handle`."""
 
-    def __init__(self, layout: BucketLayout, device: torch.device) -> None:
-        if layout.num_buckets != 1:
-            raise ValueError(f"a staging layout has one bucket, got {layout.num_buckets}")
-        self.layout = layout
-        self.layout_bytes = layout.to_bytes()
-        self.nbytes = layout.total_nbytes
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = max(nbytes, ALIGN)
         self.path: Path | None = None
         if device.type == "cpu":
             self.buffer, self.handle = self._file_backed()
@@ -66,12 +70,18 @@ class StagingBuffer:
         buffer = torch.from_file(name, shared=True, size=self.nbytes, dtype=torch.uint8)
         return buffer, pickle.dumps(("file", name, self.nbytes))
 
-    def matches(self, layout: BucketLayout) -> bool:
-        return layout.to_bytes() == self.layout_bytes
-
-    def write(self, named: Mapping[str, torch.Tensor]) -> None:
-        """Copy `named` (exactly the layout's tensors) into the buffer; returns once the bytes are there."""
-        pack(self.layout, named, [self.buffer])
+    def write(self, layout: BucketLayout, named: Mapping[str, torch.Tensor]) -> None:
+        """Copy the tensors of the single-bucket `layout` (taken from `named`, which may hold more) into the
+        buffer; returns once the bytes are there."""
+        if layout.num_buckets != 1 or layout.total_nbytes > self.nbytes:
+            raise ValueError(
+                f"a staged chunk is one bucket of at most {self.nbytes} bytes, got {layout.bucket_nbytes}"
+            )
+        try:
+            chunk = {slot.name: named[slot.name] for slot in layout.slots}
+        except KeyError as exc:
+            raise ValueError(f"tensors do not match the layout: missing {exc}") from None
+        pack(layout, chunk, [self.buffer[: layout.total_nbytes]])
         if self.buffer.is_cuda:
             torch.cuda.current_stream(self.buffer.device).synchronize()
 

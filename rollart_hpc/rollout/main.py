@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollart_hpc.cluster.context import RunContext
+from rollart_hpc.config.learning import TrainingConfig
 from rollart_hpc.config.roles import DEFAULT_POOL, RolloutPoolConfig
 from rollart_hpc.config.schema import Config, RolloutConfig
 from rollart_hpc.contracts.protocol import Tag
@@ -177,7 +178,7 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     receiver = GroupWeightReceiver.open(group)
     seed = config.run.seed + ctx.world.rank
     dtype = engine_dtype(rollout, config.trainer.precision)
-    engine = resilient_engine(rollout, model_dir, start.version, seed, ctx.log.warning, dtype)
+    engine = resilient_engine(rollout, config.trainer, model_dir, start.version, seed, ctx.log.warning)
     ctx.log.info(
         f"{rollout.engine} engine ready: pool {pool.name}, {rollout.num_slots} slots, {dtype}, "
         f"model {model_dir}"
@@ -207,13 +208,13 @@ def pool_rollout(rollout: RolloutConfig, pool: RolloutPoolConfig) -> RolloutConf
 
 def resilient_engine(
     rollout: RolloutConfig,
+    trainer: TrainingConfig,
     model_dir: Path,
     version: int,
     seed: int,
     log: Callable[[str], None],
-    dtype: str = "float32",
 ) -> ResilientEngine:
-    """The rank's engine in `dtype`, rebuilt from `model_dir` at `version` (then the newest weights) when
+    """The rank's engine (in the dtype the trainer publishes), rebuilt from `model_dir` at `version` (then the newest weights) when
     it fails.
     Faults are injected at random steps (`rollout.fault_step_prob`) and, while rebuilds are allowed, on
     `ENGINE_FAULT_SIGNAL`."""
@@ -224,6 +225,6 @@ def resilient_engine(
         arm_fault_signal(faults)
 
     def build() -> Engine:
-        return build_engine(rollout, model_dir, version, seed, dtype)
+        return build_engine(rollout, trainer, model_dir, version, seed)
 
     return ResilientEngine(build, rollout.max_engine_rebuilds, log, faults)

@@ -49,12 +49,15 @@ class TrainerConfig:
     states and the LM head, never [tokens, vocab] logits) or "eager" (the model's cross-entropy).
     distributed_optimizer: shard Adam states over data-parallel ranks; overlap_grad_reduce: reduce
     gradient buckets during backward; ddp_bucket_elements: DDP bucket size (None: Megatron's default).
+    temperature: the rollout engines' sampling temperature T; the RL log-probs (`Trainer.rl_step`, its
+    proximal log-probs, `Trainer.logprobs`) are log softmax(logits / T), the warm start's are at T = 1.
     """
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     micro_batch_tokens: int = 4096
     precision: str = "fp32"
     seed: int = 0
+    temperature: float = 1.0
     collective_timeout_s: float = 600.0
     ppo_epochs: int = 1
     num_minibatches: int = 1
@@ -84,18 +87,24 @@ class TrainerConfig:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
 
     @classmethod
-    def from_config(cls, section: TrainingConfig, *, lr: float, seed: int, timeout_s: float) -> TrainerConfig:
+    def from_config(
+        cls, section: TrainingConfig, *, lr: float, seed: int, timeout_s: float, temperature: float = 1.0
+    ) -> TrainerConfig:
         """The trainer settings of a run's [trainer] section, at learning rate `lr` (the warm start's or
-        the RL phase's), with the run's seed and the world's peer timeout bounding every collective."""
+        the RL phase's), with the run's seed, the world's peer timeout bounding every collective and the
+        rollout's sampling `temperature` (rollout.temperature) for the RL log-probs."""
         optim = OptimConfig(lr=lr, weight_decay=section.weight_decay, grad_clip=section.grad_clip)
         return cls(
             optim=optim,
             micro_batch_tokens=section.micro_batch_tokens,
             seed=seed,
+            temperature=temperature,
             collective_timeout_s=timeout_s,
             ppo_epochs=section.ppo_epochs,
             num_minibatches=section.num_minibatches,

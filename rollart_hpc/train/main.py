@@ -232,7 +232,11 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     start: TrainerStart = ctx.mailbox.wait_for(Tag.START, source=0).payload
     model_init = Path(start.model_dir)
     sft = TrainerConfig.from_config(
-        config.trainer, lr=config.trainer.sft_lr, seed=config.run.seed, timeout_s=ctx.world.timeout_s
+        config.trainer,
+        lr=config.trainer.sft_lr,
+        seed=config.run.seed,
+        timeout_s=ctx.world.timeout_s,
+        temperature=config.rollout.temperature,
     )
     trainer = Trainer(model_init, sft)
     started = time.perf_counter()

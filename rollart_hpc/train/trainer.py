@@ -53,6 +53,9 @@ from rollart_hpc.train.model import Layout, ensure_model_parallel, gpt_from_hf
 HF_WEIGHTS = "model.safetensors"
 HF_MARKER = "COMPLETE"
 RL_METRICS = SUMMED_DIAGNOSTICS  # the policy-loss diagnostics the RL step reports (summed over replicas)
+# The RL step's largest |log pi_old - log pi_behaviour| over action tokens (reduced by max, not summed):
+# 0 up to rounding when the trainer's log-probs are those of the distribution the engine sampled from.
+BEHAVIOUR_GAP = "max_abs_behaviour_log_ratio"
 # Per-micro-batch loss: (micro-batch, its per-token log-probs [T] with grad, the positions of its tokens
 # in the batch given to the step) -> (loss, metric sums).
 LossFn = Callable[[PackedBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -87,6 +90,7 @@ class Trainer:
         self.model.train()
         self.step = 0
         self._sums: dict[str, torch.Tensor] = {}
+        self._temperature = cfg.temperature
 
     @property
     def config(self) -> ModelConfig:
@@ -161,6 +165,8 @@ class Trainer:
                 output, tensor_parallel_output_grad=True
             )
         hidden = output.transpose(0, 1)[valid]  # packed [N, H]: no padding reaches the head
+        if self._temperature != 1.0:  # log softmax(W h / T) = log softmax(W (h / T)): the head has no bias
+            hidden = hidden / self._temperature
         lp = token_logprobs(
             self.cfg.loss_impl,
             hidden,
@@ -181,7 +187,9 @@ class Trainer:
             return lp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
         loss, parts = loss_fn(micro.batch, lp, micro.positions)
         for name, value in {"loss": loss, **parts}.items():
-            if name in self._sums:
+            if name == BEHAVIOUR_GAP and name in self._sums:
+                self._sums[name] = torch.maximum(self._sums[name], value.detach().double())
+            elif name in self._sums:
                 self._sums[name] += value.detach().double()
         # The loss is already divided by the global action-token count: a count of 0 tells Megatron's
         # per-token mode not to divide again.
@@ -236,7 +244,7 @@ class Trainer:
     @torch.no_grad()
     def logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """Per-token log-probs [T] (CPU, fp32) of the current weights for this rank's `batch` (all ranks
-        together); 0 at each sequence's first token."""
+        together) at the RL temperature (`TrainerConfig.temperature`); 0 at each sequence's first token."""
         pooled, offset = self._pool(batch)
         return self._pooled_logprobs(pooled)[offset : offset + batch.num_tokens].clone()
 
@@ -268,6 +276,7 @@ class Trainer:
         return metrics
 
     def _reduce_metrics(self, sums: dict[str, torch.Tensor], batch: PackedBatch) -> dict[str, float]:
+        gap = sums.pop(BEHAVIOUR_GAP, None)
         names = sorted(sums)
         counts = [float(batch.num_tokens), float(batch.num_action_tokens)]
         local = torch.tensor(counts, dtype=torch.float64, device=self.device)
@@ -276,14 +285,20 @@ class Trainer:
             packed.zero_()
         comm.all_reduce_sum(packed, "metric all_reduce", self.cfg.collective_timeout_s)
         values = packed.tolist()
-        return {
+        metrics = {
             "num_tokens": values[0],
             "num_action_tokens": values[1],
             **dict(zip(names, values[2:], strict=True)),
         }
+        if gap is not None:
+            gap = gap.reshape(1) if self._records_metrics() else torch.zeros_like(gap).reshape(1)
+            comm.all_reduce(gap, "metric max", self.cfg.collective_timeout_s, dist.ReduceOp.MAX)
+            metrics[BEHAVIOUR_GAP] = float(gap.item())
+        return metrics
 
     def sft_step(self, batch: PackedBatch, num_global_action_tokens: int | None = None) -> dict[str, float]:
-        """One optimizer step on the token-mean NLL of the action tokens over all ranks' batches.
+        """One optimizer step on the token-mean NLL of the action tokens over all ranks' batches, at
+        temperature 1 (demonstrations are not samples of the policy).
 
         `num_global_action_tokens` defaults to an all_reduce of the local counts. Metrics: loss (global
         mean NLL), grad_norm (before clipping), num_tokens, num_action_tokens, step."""
@@ -299,7 +314,11 @@ class Trainer:
             mask = micro.action_mask.to(self.device)
             return -(torch.where(mask, lp, 0.0).sum() / denom), {}
 
-        return self._run_step(pooled, nll, ())
+        self._temperature = 1.0
+        try:
+            return self._run_step(pooled, nll, ())
+        finally:
+            self._temperature = self.cfg.temperature
 
     def rl_step(
         self, batch: PackedBatch, num_global_action_tokens: int, loss_cfg: LossConfig
@@ -315,7 +334,10 @@ class Trainer:
         the ratio moves away from 1, so the clip, the dual clip and the importance cap act. A minibatch
         empty on every replica is skipped by all. Metrics are means over the updates of the global token
         means (loss, approx_kl, clip_fraction, dual_clip_fraction, is_capped_fraction, is_weight,
-        grad_norm), plus num_updates, num_tokens and num_action_tokens of the whole batch, and step."""
+        grad_norm), plus num_updates, num_tokens and num_action_tokens of the whole batch, step, and
+        max_abs_behaviour_log_ratio (the largest |proximal - behaviour| log-prob of an action token).
+        Every log-prob is log softmax(logits / `TrainerConfig.temperature`), the distribution the
+        rollout engines sampled from."""
         pooled, _ = self._pool(batch)
         _check_denominator(num_global_action_tokens, pooled)
         if self.cfg.ppo_epochs == 1 and self.cfg.num_minibatches == 1:
@@ -361,9 +383,9 @@ class Trainer:
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             old = None if proximal is None else proximal[positions]
             loss, diagnostics = policy_loss(lp, micro, loss_cfg, num_global_action_tokens, old)
-            return loss, diagnostics.summed()
+            return loss, diagnostics.summed() | {BEHAVIOUR_GAP: _behaviour_gap(micro, lp, old)}
 
-        return self._run_step(batch, spo, RL_METRICS)
+        return self._run_step(batch, spo, (*RL_METRICS, BEHAVIOUR_GAP))
 
     # ---- weights and checkpoints ---------------------------------------------------------------
     def reset_optimizer(self) -> None:
@@ -471,6 +493,15 @@ def _assemble_hf(
         tp_shards = [state for (pp, _), state in shards if pp == stage]
         out.update(megatron_to_hf(tp_shards, cfg, stage_layers(cfg.num_layers, stage, pp_size)))
     return out
+
+
+def _behaviour_gap(micro: PackedBatch, lp: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
+    """max |old - behaviour| log-prob over the micro-batch's action tokens (old: the proximal log-probs,
+    None = the current ones), 0 without action tokens."""
+    mask = micro.action_mask.to(lp.device)
+    old_lp = lp.detach() if old is None else old.to(lp.device)
+    gap = (old_lp - micro.behaviour_logprobs.to(lp.device)).abs()
+    return torch.where(mask, gap, 0.0).max() if gap.numel() else gap.sum()
 
 
 def _dummy_batch() -> PackedBatch:
