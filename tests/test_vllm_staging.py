@@ -4,6 +4,7 @@ config, and the conversion of vLLM's log-probs and version spans."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import sys
 from dataclasses import dataclass
@@ -221,9 +222,12 @@ def test_vllm_engine_arguments_follow_the_rollout_and_trainer_sections() -> None
 
 
 def test_vllm_engine_arguments_on_cpu_size_the_kv_cache_and_leave_gpu_memory_alone(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(
-        '{"num_attention_heads": 2, "hidden_size": 128, "num_hidden_layers": 1, "num_key_value_heads": 1}'
-    )
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_attention_heads": 2,
+        "hidden_size": 128, "num_hidden_layers": 1, "num_key_value_heads": 1, "intermediate_size": 256,
+        "vocab_size": 512, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
     args = engine_arg_values(
         tmp_path, 4, 64, "float32", 0, 1, True, None, 0.85, {}, on_cpu=True, batched_tokens=32
     )
