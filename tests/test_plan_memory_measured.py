@@ -18,7 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from rollart_hpc.config import load_config
+from rollart_hpc.plan import memory
 from rollart_hpc.plan.ranks import memory_plan
+from rollart_hpc.train import convert, lm_head
 from rollart_hpc.train.batch import PackedBatch, from_sequences
 from rollart_hpc.train.config import OptimConfig, TrainerConfig
 from rollart_hpc.train.trainer import Trainer
@@ -142,3 +144,8 @@ def test_planned_activations_match_the_peak_of_live_storage_in_a_step(trainer: T
     assert planned > 4 * state  # a size where the activations dominate
     assert live.peak == pytest.approx(planned, rel=0.2), (live.peak, plan)
     assert live.current < 0.05 * live.peak  # the step frees what it allocated
+
+
+def test_the_plans_constants_are_the_trainers() -> None:
+    assert memory.LOGITS_CHUNK_ELEMENTS == lm_head.LOGITS_BUDGET_ELEMENTS
+    assert all(memory.padded_vocab(v) == convert.padded_vocab_size(v) for v in (1, 489, 151936, 152064))

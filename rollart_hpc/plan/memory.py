@@ -95,6 +95,7 @@ class Activations:
 
 
 def padded_vocab(vocab_size: int) -> int:
+    """Megatron's vocabulary rows: the HF vocabulary rounded up to a multiple of VOCAB_MULTIPLE."""
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 

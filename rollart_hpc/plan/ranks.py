@@ -225,10 +225,37 @@ def label(plan: RunPlan, rank: int) -> str:
 def trainer_ranks(
     plan: RunPlan, part: RoleRange, cfg: ModelConfig, t: TrainingConfig, max_model_len: int
 ) -> list[RankMemory]:
-    model_parallel = t.tensor_parallel * t.pipeline_parallel
+    """Every trainer rank, in Megatron's tp-dp-pp order; the first one publishes the weights."""
+    tp, model_parallel = t.tensor_parallel, t.tensor_parallel * t.pipeline_parallel
     dp = max(1, part.num_ranks // model_parallel)
     publish_bytes = model_params(cfg) * DTYPE_BYTES[t.precision]
-    act = Activations(  # a sequence longer than micro_batch_tokens is a micro-batch alone
+    act = trainer_activations(t, max_model_len)
+    out = []
+    for i, rank in enumerate(part.ranks):
+        lay = StageLayout(tp, t.pipeline_parallel, dp, i // (tp * dp))
+        params = stage_params(cfg, lay)
+        terms = state_terms(params, t.precision, dp, t.distributed_optimizer)
+        terms |= activation_terms(cfg, act, lay, LayerShape.of(cfg), t.loss_impl)
+        if i == 0:
+            terms["publication"] = publish_bytes
+        if model_parallel > 1 and (i // tp) % dp == 0:
+            terms["weight_gather"] = publish_bytes // cfg.num_layers
+        if part.resources.gpus_per_rank:
+            terms["cuda_context"] = CUDA_CONTEXT_BYTES
+        checkpoint = sum(v for k, v in terms.items() if k in ("params", "main_params", "adam"))
+        note = (
+            f"tp {i % tp} pp {lay.stage} dp {(i // tp) % dp}: {params / 1e6:,.1f}M parameters; "
+            f"checkpoint shard (model + optimizer) {gb(checkpoint)} GB"
+        )
+        limit = gpu_memory_bytes(part.resources)
+        out.append(RankMemory(rank, "trainer", label(plan, rank), terms, limit, checkpoint, (note,)))
+    return out
+
+
+def trainer_activations(t: TrainingConfig, max_model_len: int) -> Activations:
+    """A trainer's micro-batch: micro_batch_tokens in rows of at most max_model_len tokens (a longer
+    sequence is a micro-batch alone), in the training precision."""
+    return Activations(
         tokens=max(t.micro_batch_tokens, max_model_len),
         row_len=max_model_len,
         dtype_bytes=DTYPE_BYTES[t.precision],
@@ -236,32 +263,6 @@ def trainer_ranks(
         recompute=t.recompute,
         attention=t.attention,
     )
-    out = []
-    for i, rank in enumerate(part.ranks):
-        lay = StageLayout(t.tensor_parallel, t.pipeline_parallel, dp, i // (t.tensor_parallel * dp))
-        params = stage_params(cfg, lay)
-        terms = state_terms(params, t.precision, dp, t.distributed_optimizer)
-        terms |= activation_terms(cfg, act, lay, LayerShape.of(cfg), t.loss_impl)
-        if i == 0:
-            terms["publication"] = publish_bytes
-        if model_parallel > 1 and (i // t.tensor_parallel) % dp == 0:
-            terms["weight_gather"] = publish_bytes // cfg.num_layers
-        if part.resources.gpus_per_rank:
-            terms["cuda_context"] = CUDA_CONTEXT_BYTES
-        checkpoint = sum(v for k, v in terms.items() if k in ("params", "main_params", "adam"))
-        note = f"tp {i % t.tensor_parallel} pp {lay.stage} dp {(i // t.tensor_parallel) % dp}: {params / 1e6:,.1f}M parameters"
-        out.append(
-            RankMemory(
-                rank,
-                "trainer",
-                label(plan, rank),
-                terms,
-                gpu_memory_bytes(part.resources),
-                checkpoint,
-                (note,),
-            )
-        )
-    return out
 
 
 def rollout_ranks(
