@@ -224,3 +224,10 @@ def test_submit_dry_run_prints_the_memory_plan(tmp_path: Path, capsys: pytest.Ca
 def test_plan_memory_without_model_shapes_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["plan", str(QWEN7B_TOML), "--memory", "model.path=/nonexistent/model"]) == 2
     assert "model.path: no model shapes for the memory plan" in capsys.readouterr().err
+
+
+def test_each_rollout_pool_is_planned_with_its_own_gpu_and_slots() -> None:
+    config = load_config(REPO / "configs" / "gpu_2pools.toml", ["model.source=tiny", 'model.path=""'])
+    rollout = [r for r in memory_plan(config).ranks if r.role == "rollout"]
+    assert [r.limit for r in rollout] == [80 * 10**9] * 8 + [96 * 10**9] * 8  # h800, then h20
+    assert "(num_slots 64;" in rollout[0].notes[0] and "(num_slots 192;" in rollout[-1].notes[0]
