@@ -24,7 +24,7 @@ PACKAGE = "rollart_hpc"
 ROLES = ("controller", "envs", "rollout", "reward", "train")
 LIBRARIES = (
     "contracts", "config", "kernels", "algo", "tasks", "inference", "routing", "models", "weights", "store",
-    "metrics", "cluster",
+    "metrics", "cluster", "plan",
 )  # fmt: skip
 TOP = ("entry", "bench", "sim")
 # Units that must stay free of MPI and torch.distributed (pure logic, testable without a world).
@@ -255,6 +255,16 @@ def test_layer_check_names_a_role_importing_a_role():
         "role envs imports role rollout: a.py:7 imports rollart_hpc.rollout.main",
         "library tasks imports role controller: b.py:3 imports rollart_hpc.controller.core",
     ]
+
+
+def test_every_package_is_installed():
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {m for m, path in package_modules().items() if path.name == "__init__.py"}
+    assert found == listed, (
+        f"pyproject's [tool.setuptools] packages differ: add {found - listed}, drop {listed - found}"
+    )
 
 
 def test_kernels_live_inside_the_package():

@@ -234,7 +234,7 @@ def _example_spec(config: Config) -> JobSpec:
     )
 
 
-@pytest.mark.parametrize("name", ["gpu_node8", "gpu_2partitions", "gpu_2pools"])
+@pytest.mark.parametrize("name", ["gpu_node8", "gpu_2partitions", "gpu_2pools", "gpu_2x8_qwen7b"])
 def test_examples_are_in_step_with_the_renderer(name: str) -> None:
     config = load_config(REPO / "configs" / f"{name}.toml")
     plan = make_plan(config.roles)

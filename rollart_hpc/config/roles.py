@@ -49,6 +49,11 @@ class RoleConfig:
         "must agree). 0 = the component's ranks share one node.",
     )
     gpu_type: str = doc_field("", "SLURM GPU type in the gres request, e.g. 'h100' -> --gres=gpu:h100:N.")
+    gpu_memory_gb: float = doc_field(
+        0.0,
+        "Memory of one GPU of this role, GB, for the memory plan (`launch.py plan --memory`). 0 = from "
+        "gpu_type when it names a known GPU (rollart_hpc/plan/gpus.py), else unknown: reported, never refused.",
+    )
     constraint: str = doc_field("", "SLURM --constraint (node features), e.g. 'h100&ib'.")
     sbatch_extra: list[str] = doc_field(
         [], "Extra sbatch options of this role's job component, e.g. ['--account=proj', '--qos=high']."
@@ -64,6 +69,8 @@ class RoleConfig:
             raise UsageError(f"{path}.gpu_type: {self.gpu_type!r} must be one word (letters, digits, _ . -)")
         if self.gpu_type and not self.gpus_per_rank:
             raise UsageError(f"{path}.gpu_type: set, but {path}.gpus_per_rank is 0; remove it")
+        if self.gpu_memory_gb < 0 or (self.gpu_memory_gb and not self.gpus_per_rank):
+            raise UsageError(f"{path}.gpu_memory_gb: must be >= 0, and 0 when {path}.gpus_per_rank is 0")
         if self.constraint and not SLURM_CONSTRAINT.fullmatch(self.constraint):
             raise UsageError(f"{path}.constraint: {self.constraint!r} is not a SLURM feature expression")
         for line in self.sbatch_extra:

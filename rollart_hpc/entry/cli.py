@@ -23,6 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "rollart_hpc.entry.submit",
         "submit a config to SLURM (hetjob across partitions, else submitit)",
     ),
+    "plan": (
+        "rollart_hpc.entry.plan",
+        "the run plan of a config: every rank's role, --memory its GPU memory",
+    ),
     "sweep": ("rollart_hpc.entry.sweep", "a grid of runs over seeds, locally or as one SLURM job array"),
     "compare": ("rollart_hpc.entry.compare", "curves and bootstrap intervals of a sweep's arms"),
     "simulate": (

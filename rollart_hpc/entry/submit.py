@@ -10,7 +10,8 @@ After submission `run_dir/slurm_job.json` (written atomically) records the job i
 `--dry-run` prints the job and, as `#` comment lines, every rank's predicted node and device
 (`cluster.placement`); with `--out FILE` it writes the script (for a single partition too: one component,
 no submitit) and prepares the run dir instead, for `sbatch FILE`. A job that asks a partition for more GPUs
-per node than its nodes have is refused before sbatch, in one line.
+per node than its nodes have is refused before sbatch, in one line. So is a run whose memory plan
+(`rollart_hpc.plan.ranks`) does not fit some rank's GPU; a dry run prints that plan after the job.
 
 Stops and requeues (both modes): a stop signal (SIGUSR1/SIGUSR2: `--signal`, preemption notice,
 `scancel --signal=USR2 JOB`) makes the controller checkpoint and stop the whole world with exit 0 and no
@@ -145,6 +146,7 @@ def main(args: argparse.Namespace) -> int:
     from rollart_hpc.cluster.plan import make_plan
     from rollart_hpc.cluster.sbatch import check_run_dir, plan_partitions
     from rollart_hpc.config import load_config
+    from rollart_hpc.plan.ranks import memory_plan_text
 
     config = load_config(args.config, args.overrides)
     plan = make_plan(config.roles)
@@ -152,13 +154,20 @@ def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or f"runs/{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     check_run_dir(run_dir)
     spec = job_spec(config, run_dir, args.time_min, args.max_requeues)
+    _, refusal = memory_plan_text(config)
+    if refusal and (not args.dry_run or args.out):
+        raise UsageError(refusal)
     if len(plan_partitions(plan)) > 1 or len(plan.pools()) > 1:  # each rollout pool: a component
         if args.nodes != 1:
             raise UsageError(
                 "--nodes applies to single-partition jobs; hetjob components get nodes from SLURM"
             )
-        return submit_hetjob(spec, plan, config, args.dry_run, args.out)
-    return submit_single(spec, plan, config, args.nodes, args.dry_run, args.out)
+        code = submit_hetjob(spec, plan, config, args.dry_run, args.out)
+    else:
+        code = submit_single(spec, plan, config, args.nodes, args.dry_run, args.out)
+    if refusal:  # a dry run has shown the job and its memory plan
+        raise UsageError(refusal)
+    return code
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -230,17 +239,20 @@ def show_dry_run(
     script: str | None,
     out: str | None,
 ) -> int:
-    """Print (or with `out`, write and prepare the run dir for) the job with every rank's placement."""
+    """Print (or with `out`, write and prepare the run dir for) the job with every rank's placement, then
+    the memory plan."""
     from rollart_hpc.cluster.sbatch import render_job
     from rollart_hpc.contracts.atomic import atomic_write_bytes
+    from rollart_hpc.plan.ranks import memory_plan_text
 
+    memory = "".join(f"# {line}\n" for line in memory_plan_text(config)[0].splitlines())
     if out is None:
-        print(job_text(plan, components, script or ""), end="")
+        print(job_text(plan, components, script or "") + memory, end="")
         return 0
     text = job_text(plan, components, script or render_job(spec, components))
     atomic_write_bytes(Path(out), text.encode())
     prepare_run_dir(config, spec.run_dir)
-    print(text[text.index("# placement") :], end="")
+    print(text[text.index("# placement") :] + memory, end="")
     print(f"# wrote {Path(out).resolve()}; run dir {spec.run_dir} holds the resolved config")
     print(f"# submit it as is: sbatch {shlex.quote(str(Path(out).resolve()))}")
     return 0
