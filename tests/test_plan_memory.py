@@ -148,14 +148,16 @@ def _write_model(tmp_path: Path, raw: dict[str, object]) -> Path:
     return folder
 
 
-def test_gpu_node8_fits_and_its_old_values_did_not(tmp_path: Path) -> None:
+def test_gpu_node8_fits_and_a_larger_plan_does_not(tmp_path: Path) -> None:
     model = f"model.path={_write_model(tmp_path, QWEN1_5B)}"
     node8 = REPO / "configs" / "gpu_node8.toml"
     assert memory_plan(load_config(node8, [model])).fits
-    old_micro = memory_plan(load_config(node8, [model, "trainer.micro_batch_tokens=16384"])).refusal()
+    fp32 = memory_plan(load_config(node8, [model, "trainer.precision=fp32"])).refusal()
+    assert fp32 is not None and fp32.startswith("memory plan: trainer rank 8 (trainer #0)")
+    old_micro = memory_plan(load_config(node8, [model, "trainer.micro_batch_tokens=32768"])).refusal()
     assert old_micro is not None and old_micro.startswith("memory plan: trainer rank 8 (trainer #0)")
-    old_share = memory_plan(load_config(node8, [model, "rollout.vllm.gpu_memory_utilization=0.85"])).refusal()
-    assert old_share is not None and old_share.startswith("memory plan: rollout rank 1 (rollout #0)")
+    big_share = memory_plan(load_config(node8, [model, "rollout.vllm.gpu_memory_utilization=0.98"])).refusal()
+    assert big_share is not None and big_share.startswith("memory plan: rollout rank 1 (rollout #0)")
 
 
 def test_gpu_memory_comes_from_the_role_or_a_known_gpu_type_else_nothing_is_refused() -> None:

@@ -29,8 +29,8 @@ Assumptions (each term's docstring says which it uses):
 - Weight publication (`weights/publisher.py`, as the trainer and rollout ranks use it): the first trainer
   holds the whole published model once (fresh copies at TP = PP = 1, the send buckets otherwise) and,
   under TP or PP, one gathered layer; every receiver holds its receive buckets (the whole published
-  model), and a vLLM engine a staging buffer of the whole model on its GPU besides (the built-in engine: a
-  staged copy of its weights). The published dtype is the training precision's.
+  model), and a vLLM engine a staging buffer on its GPU besides, of one chunk: at most trainer.bucket_mb or
+  the largest tensor (the built-in engine: a staged copy of its weights). The published dtype is the training precision's.
 - Every GPU process has CUDA_CONTEXT_BYTES of context, library workspaces and NCCL buffers.
 - A vLLM engine takes gpu_memory_utilization x the GPU's memory for its weights, activations, CUDA graphs
   and KV cache; the KV-cache room reported is that share less the weights (vLLM's activation peak, which it

@@ -291,9 +291,11 @@ def vllm_rank(
     dtype = t.precision if r.vllm.dtype == "auto" else r.vllm.dtype
     tp = r.tensor_parallel_size
     weights = model_params(cfg) * DTYPE_BYTES[dtype] // tp
+    # A weight update is staged one chunk of at most trainer.bucket_mb at a time; a larger tensor goes alone.
+    largest = max(cfg.vocab_size, cfg.intermediate_size) * cfg.hidden_size * DTYPE_BYTES[t.precision]
     outside = {
         "receive_buffers": publish_bytes,
-        "vllm_staging": publish_bytes,
+        "vllm_staging": max(int(t.bucket_mb * 2**20), largest),
         "cuda_context": CUDA_CONTEXT_BYTES,
     }
     if limit is None:
