@@ -7,6 +7,9 @@ collective timeout, and seeds its RNG tracker. Parameters are fp32 (master weigh
 is applied by the caller with autocast on GPU. Every parameter is overwritten by the converted
 checkpoint, split for this rank's tensor-parallel shard and pipeline stage, so no random init is run.
 
+The layers' core attention is torch SDPA (`attention.SdpaAttention`) or Megatron's unfused local attention;
+activation recomputation ('selective' core attention, 'full' layers) is Megatron's (`recompute_args`).
+
 `HiddenGPT` is GPTModel with one switch, `return_hidden`: the last stage then returns the final hidden
 states [s, b, H] (after the final norm) instead of logits, for the fused LM-head loss.
 """
@@ -105,13 +108,32 @@ def _hidden_gpt_class() -> type:
     return HiddenGPT
 
 
+def recompute_args(recompute: str) -> dict[str, Any]:
+    """TransformerConfig settings of an activation recomputation mode: 'none'; 'selective' (the core
+    attention of every layer, recomputed in backward); 'full' (every layer, one layer per checkpoint)."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+
+
 def build_gpt(
-    cfg: ModelConfig, device: torch.device, layout: Layout | None = None, sequence_parallel: bool = False
+    cfg: ModelConfig,
+    device: torch.device,
+    layout: Layout | None = None,
+    sequence_parallel: bool = False,
+    attention: str = "sdpa",
+    recompute: str = "none",
 ) -> Any:
     """An uninitialised fp32 GPTModel for `cfg` on `device`: this rank's shard and stage of `layout`
-    (activations sharded along the sequence outside the TP matmuls with `sequence_parallel`)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    (activations sharded along the sequence outside the TP matmuls with `sequence_parallel`), with core
+    attention `attention` (`attention.local_layer_spec`) and activation recomputation `recompute`."""
     from megatron.core.transformer import TransformerConfig
+
+    from rollart_hpc.train.attention import local_layer_spec
 
     layout = layout or Layout(1, 0, 1, 0, 1, 0)
     check_tensor_parallel(cfg, layout.tp_size)
@@ -130,10 +152,11 @@ def build_gpt(
         use_cpu_initialization=device.type == "cpu",
         perform_initialization=False,
         params_dtype=torch.float32,
+        **recompute_args(recompute),
     )
     model = _hidden_gpt_class()(
         config,
-        get_gpt_layer_local_spec(),
+        local_layer_spec(attention),
         pre_process=layout.first_stage,
         post_process=layout.last_stage,
         **args.gpt,
@@ -179,11 +202,16 @@ def shard_weights(hf: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout)
 
 
 def gpt_from_hf(
-    model_dir: str | Path, device: torch.device, layout: Layout | None = None, sequence_parallel: bool = False
+    model_dir: str | Path,
+    device: torch.device,
+    layout: Layout | None = None,
+    sequence_parallel: bool = False,
+    attention: str = "sdpa",
+    recompute: str = "none",
 ) -> tuple[Any, ModelConfig]:
     """Build this rank's GPTModel shard of an HF directory and load its weights; return (model, config)."""
     layout = layout or Layout(1, 0, 1, 0, 1, 0)
     cfg = load_config(model_dir)
-    model = build_gpt(cfg, device, layout, sequence_parallel)
+    model = build_gpt(cfg, device, layout, sequence_parallel, attention, recompute)
     load_megatron_weights(model, shard_weights(load_weights(model_dir, cfg), cfg, layout))
     return model, cfg

@@ -80,7 +80,9 @@ class Trainer:
         self.layout: Layout = ensure_model_parallel(
             cfg.seed, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.collective_timeout_s
         )
-        self.gpt, self.model_config = gpt_from_hf(model_dir, self.device, self.layout, cfg.sequence_parallel)
+        self.gpt, self.model_config = gpt_from_hf(
+            model_dir, self.device, self.layout, cfg.sequence_parallel, cfg.attention, cfg.recompute
+        )
         self.gpt.return_hidden = True  # the head runs in `lm_head.token_logprobs` (fused or eager)
         self.model, self.optimizer = parallel.wrap(self.gpt, cfg)
         self.model.train()
