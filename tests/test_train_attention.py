@@ -91,10 +91,15 @@ def _count_calls(modules: list[torch.nn.Module]) -> list[int]:
     return counts
 
 
+@pytest.mark.parametrize("native_gqa", [True, False])
 def test_sdpa_matches_the_unfused_attention_in_loss_and_every_gradient(
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor], native_gqa: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Key/value groups taken natively by SDPA (CPU) or repeated per query head (CUDA fp32, masks)."""
+    from rollart_hpc.train import attention
     from rollart_hpc.train.attention import SdpaAttention
+
+    monkeypatch.setattr(attention, "native_gqa", lambda query, mask: native_gqa)
 
     sdpa = _model(weights, "sdpa")
     unfused = _model(weights, "unfused")

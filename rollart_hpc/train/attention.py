@@ -9,10 +9,11 @@ and probabilities are never kept for backward on CUDA:
 - flash-attn's `flash_attn_varlen_func` when flash_attn is importable and the tensors are CUDA bf16/fp16,
   with no explicit mask (causal or no mask): packed `thd` inputs (`PackedSeqParams`) attend within their
   sequences' cumulative lengths, `sbhd` inputs within each of their b rows. GQA is native there.
-- otherwise `torch.nn.functional.scaled_dot_product_attention` on [b, np, s, hn] views with the key and
-  value heads repeated per query group (exactly Megatron's grouping); on CUDA it is restricted to the
-  flash, memory-efficient and cuDNN kernels, so an input no fused kernel takes fails instead of falling
-  back to the math kernel that materialises the scores.
+- otherwise `torch.nn.functional.scaled_dot_product_attention` on [b, np, s, hn] views, the key/value
+  groups taken as they are (`enable_gqa`, `native_gqa`) or repeated per query head (exactly Megatron's
+  grouping) where the kernel needs it; on CUDA it is restricted to the flash, memory-efficient and cuDNN
+  kernels, so an input no fused kernel takes fails instead of falling back to the math kernel that
+  materialises the scores.
 
 Masks follow Megatron's local attention: an explicit boolean `attention_mask` (True = masked, broadcast
 to [b, np, sq, sk]) is used as given; without one, `AttnMaskType.causal` masks future keys (sq == sk)
@@ -134,10 +135,11 @@ class SdpaAttention(MegatronModule):  # type: ignore[misc]
             raise ValueError(f"the causal mask needs sq == sk, got {query.shape[0]} and {key.shape[0]}")
         return True
 
-    def _expand_kv(self, tensor: torch.Tensor, head_dim: int) -> torch.Tensor:
-        """Repeat each key/value group for its query heads (Megatron's grouping of heads)."""
+    def _expand_kv(self, tensor: torch.Tensor, head_dim: int, native: bool) -> torch.Tensor:
+        """Repeat each key/value group for its query heads (Megatron's grouping of heads), unless SDPA
+        takes the groups natively."""
         repeats = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        return tensor.repeat_interleave(repeats, dim=head_dim) if repeats > 1 else tensor
+        return tensor.repeat_interleave(repeats, dim=head_dim) if repeats > 1 and not native else tensor
 
     def _sdpa(
         self,
@@ -148,11 +150,20 @@ class SdpaAttention(MegatronModule):  # type: ignore[misc]
         causal: bool,
     ) -> torch.Tensor:
         # [s, b, n, hn] -> [b, n, s, hn]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, self._expand_kv(key, 2), self._expand_kv(value, 2)))
+        gqa = native_gqa(query, attention_mask)
+        k, v = self._expand_kv(key, 2, gqa), self._expand_kv(value, 2, gqa)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, k, v))
         mask = None if attention_mask is None else ~attention_mask
         with _fused_kernels_only(query):
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=causal, scale=self.softmax_scale
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=0.0,
+                is_causal=causal,
+                scale=self.softmax_scale,
+                enable_gqa=gqa,
             )
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
@@ -166,7 +177,8 @@ class SdpaAttention(MegatronModule):  # type: ignore[misc]
         packed: Any,
     ) -> torch.Tensor:
         """Packed [t, n, hn] sequences attended one at a time (the path without flash-attn)."""
-        k, v = self._expand_kv(key, 1), self._expand_kv(value, 1)
+        gqa = native_gqa(query, None)
+        k, v = self._expand_kv(key, 1, gqa), self._expand_kv(value, 1, gqa)
         cu_q, cu_kv, _, _ = _packed_lengths(packed)
         bounds_q, bounds_kv = cu_q.tolist(), cu_kv.tolist()
         parts = []
@@ -178,7 +190,7 @@ class SdpaAttention(MegatronModule):  # type: ignore[misc]
                 if causal and q_i.shape[1] != k_i.shape[1]:
                     raise ValueError("the causal mask needs equal query and key lengths per sequence")
                 out = F.scaled_dot_product_attention(
-                    q_i, k_i, v_i, dropout_p=0.0, is_causal=causal, scale=self.softmax_scale
+                    q_i, k_i, v_i, dropout_p=0.0, is_causal=causal, scale=self.softmax_scale, enable_gqa=gqa
                 )
                 parts.append(out.transpose(0, 1))
         return torch.cat(parts).reshape(query.shape[0], self.hidden_size_per_partition)
@@ -247,6 +259,16 @@ def _flash_usable(query: torch.Tensor, attention_mask: torch.Tensor | None) -> b
         and attention_mask is None
         and query.shape[-1] <= _FLASH_MAX_HEAD_DIM
     )
+
+
+def native_gqa(query: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether SDPA takes the key/value groups as they are (`enable_gqa`) rather than repeated per query
+    head: always off CUDA; on CUDA only where the flash kernel applies (bf16/fp16, no mask, head
+    dim <= 256), the one fused CUDA kernel with grouped heads (the others would fall back to the math
+    kernel)."""
+    if not query.is_cuda:
+        return True
+    return query.dtype in _FLASH_DTYPES and attention_mask is None and query.shape[-1] <= _FLASH_MAX_HEAD_DIM
 
 
 def _fused_kernels_only(query: torch.Tensor) -> Any:
