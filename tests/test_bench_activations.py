@@ -49,6 +49,7 @@ def test_the_bench_module_imports_no_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and Megatron for the cell: 5-15 s here
 def test_the_gpu_script_runs_a_toy_cell_on_cpu(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location(
         "gpu_train_memory", REPO / "scripts" / "gpu_train_memory.py"
