@@ -423,3 +423,24 @@ def test_rl_logprobs_are_taken_at_the_sampling_temperature(model_dir: Path, impl
     assert off["max_abs_behaviour_log_ratio"] > 1e-2
     nll = -trainer(1.0).logprobs(batch)[batch.action_mask].mean()
     assert trainer(0.7).sft_step(batch)["loss"] == pytest.approx(float(nll), rel=1e-5)
+
+
+def test_attention_and_recompute_settings_give_the_same_rl_step(model_dir: Path) -> None:
+    """The trainer's core attention ("sdpa" by default, Megatron's "unfused") and its activation
+    recomputation change neither the loss nor the unclipped gradients of an RL step."""
+
+    def trainer(attention: str, recompute: str) -> Trainer:
+        optim = OptimConfig(lr=1e-3, grad_clip=0.0)
+        cfg = TrainerConfig(optim=optim, micro_batch_tokens=60, attention=attention, recompute=recompute)
+        return Trainer(model_dir, cfg)
+
+    ref = trainer("unfused", "none")
+    batch = _batch(ref.config.vocab_size, [20, 26, 14, 9, 11], [1.0, -0.5, 0.3, 2.0, -1.0], seed=6)
+    batch = _with_behaviour(batch, ref.logprobs(batch) - 0.1)
+    m_ref = ref.rl_step(batch, batch.num_action_tokens, LossConfig())
+    assert float(ref.grad_buffer.abs().max()) > 0
+    for attention, recompute in (("sdpa", "none"), ("sdpa", "selective"), ("sdpa", "full")):
+        other = trainer(attention, recompute)
+        metrics = other.rl_step(batch, batch.num_action_tokens, LossConfig())
+        assert metrics["loss"] == pytest.approx(m_ref["loss"], rel=1e-5), (attention, recompute)
+        torch.testing.assert_close(other.grad_buffer, ref.grad_buffer, rtol=1e-5, atol=1e-7)

@@ -16,6 +16,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "rollart_hpc.bench.affinity",
         "rollout pools of unequal hardware: hash vs static vs adaptive routing, with and without redundancy (JSON)",
     ),
+    "activations": (
+        "rollart_hpc.bench.activations",
+        "trainer forward+backward: attention sdpa/unfused x recompute none/selective/full, peak memory and time (JSON)",
+    ),
     "reward": (
         "rollart_hpc.bench.reward",
         "dedicated reward workers vs one shared elastic reward service (JSON)",

@@ -8,6 +8,8 @@ from rollart_hpc.config.learning import TrainingConfig
 
 PRECISIONS = ("fp32", "bf16")
 LOSS_IMPLS = ("fused", "eager")
+ATTENTION_IMPLS = ("sdpa", "unfused")
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class TrainerConfig:
     gradient buckets during backward; ddp_bucket_elements: DDP bucket size (None: Megatron's default).
     temperature: the rollout engines' sampling temperature T; the RL log-probs (`Trainer.rl_step`, its
     proximal log-probs, `Trainer.logprobs`) are log softmax(logits / T), the warm start's are at T = 1.
+    attention: the layers' core attention, "sdpa" (`attention.SdpaAttention`) or "unfused" (Megatron's
+    DotProductAttention); recompute: activation recomputation, "none", "selective" (core attention) or
+    "full" (every layer) (`model.recompute_args`).
     """
 
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -68,6 +73,8 @@ class TrainerConfig:
     distributed_optimizer: bool = True
     overlap_grad_reduce: bool = True
     ddp_bucket_elements: int | None = None
+    attention: str = "sdpa"
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
@@ -79,6 +86,11 @@ class TrainerConfig:
             raise ValueError("sequence_parallel needs tensor_parallel > 1")
         if self.loss_impl not in LOSS_IMPLS:
             raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {self.loss_impl!r}")
+        if self.attention not in ATTENTION_IMPLS or self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(
+                f"attention must be one of {ATTENTION_IMPLS} and recompute one of {RECOMPUTE_MODES}, "
+                f"got {self.attention!r}, {self.recompute!r}"
+            )
         if self.ppo_epochs < 1 or self.num_minibatches < 1:
             raise ValueError(
                 f"ppo_epochs and num_minibatches must be >= 1, got {self.ppo_epochs}, {self.num_minibatches}"
@@ -115,4 +127,6 @@ class TrainerConfig:
             distributed_optimizer=section.distributed_optimizer,
             overlap_grad_reduce=section.overlap_grad_reduce,
             precision=section.precision,
+            attention=section.attention,
+            recompute=section.recompute,
         )

@@ -8,6 +8,9 @@ fp32, or bf16 with Megatron's `bf16` config, whose fp32 main copies live in the 
 parameter is overwritten by the converted checkpoint, split for this rank's tensor-parallel shard and
 pipeline stage, so no random init is run.
 
+The layers' core attention is torch SDPA (`attention.SdpaAttention`) or Megatron's unfused local attention;
+activation recomputation ('selective' core attention, 'full' layers) is Megatron's (`recompute_args`).
+
 `HiddenGPT` is GPTModel with one switch, `return_hidden`: the last stage then returns the final hidden
 states [s, b, H] (after the final norm) instead of logits, for the fused LM-head loss.
 """
@@ -114,18 +117,34 @@ def param_dtype(precision: str) -> torch.dtype:
     return dtypes[precision]
 
 
+def recompute_args(recompute: str) -> dict[str, Any]:
+    """TransformerConfig settings of an activation recomputation mode: 'none'; 'selective' (the core
+    attention of every layer, recomputed in backward); 'full' (every layer, one layer per checkpoint)."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+
+
 def build_gpt(
     cfg: ModelConfig,
     device: torch.device,
     layout: Layout | None = None,
     sequence_parallel: bool = False,
     precision: str = "fp32",
+    attention: str = "sdpa",
+    recompute: str = "none",
 ) -> Any:
     """An uninitialised GPTModel for `cfg` on `device` with parameters in `precision` ("fp32", or "bf16":
     Megatron's bf16 config): this rank's shard and stage of `layout` (activations sharded along the
-    sequence outside the TP matmuls with `sequence_parallel`)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    sequence outside the TP matmuls with `sequence_parallel`), with core attention `attention`
+    (`attention.local_layer_spec`) and activation recomputation `recompute`."""
     from megatron.core.transformer import TransformerConfig
+
+    from rollart_hpc.train.attention import local_layer_spec
 
     layout = layout or Layout(1, 0, 1, 0, 1, 0)
     check_tensor_parallel(cfg, layout.tp_size)
@@ -146,10 +165,11 @@ def build_gpt(
         perform_initialization=False,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        **recompute_args(recompute),
     )
     model = _hidden_gpt_class()(
         config,
-        get_gpt_layer_local_spec(qk_layernorm=cfg.qk_norm),
+        local_layer_spec(attention, qk_layernorm=cfg.qk_norm),
         pre_process=layout.first_stage,
         post_process=layout.last_stage,
         **args.gpt,
@@ -200,11 +220,13 @@ def gpt_from_hf(
     layout: Layout | None = None,
     sequence_parallel: bool = False,
     precision: str = "fp32",
+    attention: str = "sdpa",
+    recompute: str = "none",
 ) -> tuple[Any, ModelConfig]:
     """Build this rank's GPTModel shard of an HF directory in `precision` and load its weights (cast to
     the parameter dtype); return (model, config)."""
     layout = layout or Layout(1, 0, 1, 0, 1, 0)
     cfg = load_config(model_dir)
-    model = build_gpt(cfg, device, layout, sequence_parallel, precision)
+    model = build_gpt(cfg, device, layout, sequence_parallel, precision, attention, recompute)
     load_megatron_weights(model, shard_weights(load_weights(model_dir, cfg), cfg, layout))
     return model, cfg

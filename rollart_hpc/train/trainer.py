@@ -83,7 +83,13 @@ class Trainer:
             cfg.seed, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.collective_timeout_s
         )
         self.gpt, self.model_config = gpt_from_hf(
-            model_dir, self.device, self.layout, cfg.sequence_parallel, cfg.precision
+            model_dir,
+            self.device,
+            self.layout,
+            cfg.sequence_parallel,
+            cfg.precision,
+            cfg.attention,
+            cfg.recompute,
         )
         self.gpt.return_hidden = True  # the head runs in `lm_head.token_logprobs` (fused or eager)
         self.model, self.optimizer = parallel.wrap(self.gpt, cfg)
