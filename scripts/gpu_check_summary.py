@@ -1,10 +1,12 @@
-"""Summary of scripts/gpu_check.sh: reads what its three parts wrote under OUT_DIR, writes
-OUT_DIR/gpu_check.json and prints one table. Exit 1 when a part failed or its result is missing.
+"""Summary of scripts/gpu_check.sh: reads what its four parts wrote under OUT_DIR, writes
+OUT_DIR/gpu_check.json and prints one table. Exit 1 when a part that ran failed or its result is missing; a
+part the script skipped (its status says why, e.g. vLLM not installed) is listed as skipped and fails nothing.
 
-Parts and the files read: kernel (kernel/bench_kernel.json from `launch.py bench kernel`), run3 (the run
-dir's summary.json: versions loaded by each rollout rank), vllm (vllm/gpu_vllm_check.json: one weight
-publication into vLLM against a raw broadcast of the same bytes), and each part's `<part>.status.json`.
-Stdlib only, so it runs (and is tested) anywhere.
+Parts and the files read: kernel (kernel/bench_kernel.json from `launch.py bench kernel`, and the kernel
+tests' pytest_kernel.txt), trainer (trainer/pytest_trainer.txt: the trainer tests on CUDA; trainer/
+train_memory.json from scripts/gpu_train_memory.py), run3 (the run dir's summary.json: versions loaded by each
+rollout rank), vllm (vllm/gpu_vllm_check.json: one weight publication into vLLM against a raw broadcast of the
+same bytes), and each part's `<part>.status.json`. Stdlib only, so it runs (and is tested) anywhere.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PARTS = ("kernel", "run3", "vllm")
+PARTS = ("kernel", "trainer", "run3", "vllm")
 STEPS_OF_RUN3 = 3
 
 
@@ -46,6 +48,32 @@ def kernel_rows(bench: dict[str, Any] | None) -> tuple[list[tuple[str, str]], bo
     return rows, True
 
 
+def _pytest_line(path: Path) -> str:
+    """The closing line of a pytest log ('3 passed, 1 skipped in 9.1s'), or why there is none."""
+    try:
+        lines = [line.strip(" =") for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    closing = [
+        line for line in lines if " in " in line and ("passed" in line or "failed" in line or "error" in line)
+    ]
+    return closing[-1] if closing else "no closing line"
+
+
+def trainer_rows(memory: dict[str, Any] | None, log_line: str) -> tuple[list[tuple[str, str]], bool]:
+    rows = [("trainer tests on CUDA", log_line)]
+    ok = "passed" in log_line and "failed" not in log_line and "error" not in log_line
+    if memory is None or "cells" not in memory:
+        return [*rows, ("trainer memory and step time", "no result (trainer/train_memory.json)")], False
+    for cell in memory["cells"]:
+        name = f"train step {cell['attention']}/{cell['recompute']} {cell['rows']}x{cell['tokens']}"
+        if cell.get("oom"):
+            rows.append((name, "out of memory"))
+        else:
+            rows.append((name, f"{cell['step_s'] * 1e3:.0f} ms, peak {cell['peak_mib'] / 1024:.1f} GiB"))
+    return rows, ok
+
+
 def run_rows(summary: dict[str, Any] | None) -> tuple[list[tuple[str, str]], bool]:
     if summary is None:
         return [("3-step run (vLLM rollout + trainer)", "no summary.json")], False
@@ -75,14 +103,24 @@ def summarize(out: Path) -> tuple[dict[str, Any], str, bool]:
     status = {part: _load(out / f"{part}.status.json") for part in PARTS}
     results = {
         "kernel": _load(out / "kernel" / "bench_kernel.json"),
+        "trainer": _load(out / "trainer" / "train_memory.json"),
         "run3": _load(out / "run3" / "summary.json"),
         "vllm": _load(out / "vllm" / "gpu_vllm_check.json"),
     }
+    makers: dict[str, Any] = {
+        "kernel": kernel_rows,
+        "trainer": lambda memory: trainer_rows(memory, _pytest_line(out / "trainer" / "pytest_trainer.txt")),
+        "run3": run_rows,
+        "vllm": vllm_rows,
+    }
     rows: list[tuple[str, str]] = []
     ok = True
-    for part, make in (("kernel", kernel_rows), ("run3", run_rows), ("vllm", vllm_rows)):
-        part_rows, part_ok = make(results[part])
+    for part in PARTS:
         st = status[part]
+        if st is not None and st.get("skipped"):
+            rows.append((part, f"skipped: {st['skipped']}"))
+            continue
+        part_rows, part_ok = makers[part](results[part])
         part_ok = part_ok and st is not None and st.get("rc") == 0
         when = f" [{st['wall_s']} s of {st['limit_s']} s, rc {st['rc']}]" if st else " [not run]"
         rows += [(name, value + (when if i == 0 else "")) for i, (name, value) in enumerate(part_rows)]

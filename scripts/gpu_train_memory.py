@@ -8,8 +8,8 @@ heads, FFN 8960, vocabulary 151936, qkv bias, tied embeddings), built through th
 on micro-batches of 1 x 4096 and 4 x 4096 tokens: `torch.cuda.max_memory_allocated` of the timed steps
 (peak statistics reset after the warm-up) and the median step time (CUDA events), each step the forward,
 the trainer's fused LM-head log-probs and the backward. A cell that runs out of memory is recorded as OOM.
-`--precision bf16` casts the built model to bf16 (`build_gpt` builds fp32 master weights; there is no
-optimizer here). Writes the JSON to --out and prints a table last. `--device cpu` with a toy shape runs
+`--precision bf16` builds bf16 parameters with Megatron's bf16 config, as the trainer does (there is no
+optimizer here, so no fp32 main parameters or gradients). Writes the JSON to --out and prints a table last. `--device cpu` with a toy shape runs
 the same code on CPU (each cell in a fresh process, peak RSS). What is measured:
 `rollart_hpc/bench/activations.py`.
 """

@@ -25,22 +25,25 @@ def test_bad_arguments_print_usage_and_exit_2() -> None:
         assert result.returncode == 2 and "usage: scripts/gpu_check.sh OUT_DIR [--dry]" in result.stderr, args
 
 
-def test_dry_mode_prints_every_part_within_eight_minutes(tmp_path: Path) -> None:
+def test_dry_mode_prints_every_part_within_ten_minutes(tmp_path: Path) -> None:
     result = _sh(str(tmp_path / "out dir"), "--dry")
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "launch.py bench kernel --device cuda" in out
+    assert "launch.py bench kernel --device cuda" in out and "-m gpu tests/test_kernels_policy_loss.py" in out
+    assert "tests/test_train_trainer.py" in out and "scripts/gpu_train_memory.py --precision bf16" in out
     assert (
         "configs/local.toml rollout.engine=vllm roles.rollout.gpus_per_rank=1 roles.trainer.gpus_per_rank=1"
         in out
     )
+    assert "launch.py envs prepare" in out and "controller.eval_every_steps=0" in out
+    assert "rollout.vllm.gpu_memory_utilization=0.45" in out
     assert (
         "controller.num_steps=3" in out
         and "scripts/gpu_vllm_check.py" in out
         and "gpu_check_summary.py" in out
     )
-    limits = [int(x) for x in re.findall(r"\((\d+) s\)", out)]
-    assert len(limits) == 3 and sum(limits) <= 8 * 60
+    limits = [int(x) for x in re.findall(r"\((\d+) s[,)]", out)]
+    assert len(limits) == 4 and sum(limits) <= 10 * 60
     assert (tmp_path / "out dir").is_dir() and not any((tmp_path / "out dir").iterdir())
 
 
@@ -52,7 +55,7 @@ def test_the_run3_overrides_are_a_valid_config_with_trainer_and_rollout_on_one_g
 
     dry = _sh("/tmp/gpu_check_dry", "--dry").stdout
     line = next(x for x in dry.splitlines() if x.startswith("run3"))
-    overrides = [a for a in line.split() if "=" in a and not a.startswith("--")]
+    overrides = [a for a in line.split() if "=" in a and not a.startswith(("--", '"'))]
     config = load_config(REPO / "configs" / "local.toml", overrides)
     plan = make_plan(config.roles)
     env = {"CUDA_VISIBLE_DEVICES": "0"}
@@ -83,7 +86,13 @@ def _fake_results(out: Path, loaded: list[int]) -> None:
         out / "vllm" / "gpu_vllm_check.json",
         {"bytes": 2**30, "update": {"total_s": 0.015}, "update_vs_raw": raw},
     )
-    for part in ("kernel", "run3", "vllm"):
+    cells = [
+        {"attention": a, "recompute": "none", "rows": 1, "tokens": 4096, "peak_mib": 9216.0, "step_s": 0.2}
+        for a in ("sdpa", "unfused")
+    ]
+    _write(out / "trainer" / "train_memory.json", {"cells": [*cells, {**cells[1], "rows": 4, "oom": True}]})
+    (out / "trainer" / "pytest_trainer.txt").write_text("....\n17 passed, 2 skipped in 41.20s\n")
+    for part in ("kernel", "trainer", "run3", "vllm"):
         _write(out / f"{part}.status.json", {"part": part, "rc": 0, "wall_s": 10, "limit_s": 120})
 
 
@@ -103,7 +112,19 @@ def test_summary_table_of_a_passing_check(tmp_path: Path) -> None:
         and "-> ok" in result.stdout
         and "gpu_check passed" in result.stdout
     )
+    assert "17 passed, 2 skipped in 41.20s" in result.stdout and "9.0 GiB" in result.stdout
+    assert re.search(r"train step unfused/none 4x4096 +out of memory", result.stdout)
     assert json.loads((tmp_path / "gpu_check.json").read_text())["ok"] is True
+
+
+def test_summary_lists_skipped_parts_and_fails_a_failed_trainer_test(tmp_path: Path) -> None:
+    _fake_results(tmp_path, [0, 1, 2, 3])
+    for part in ("run3", "vllm"):
+        _write(tmp_path / f"{part}.status.json", {"part": part, "skipped": "vllm is not importable: nope"})
+    result = _summary(tmp_path)
+    assert result.returncode == 0 and "skipped: vllm is not importable: nope" in result.stdout
+    (tmp_path / "trainer" / "pytest_trainer.txt").write_text("F\n1 failed, 3 passed in 9.00s\n")
+    assert _summary(tmp_path).returncode == 1
 
 
 def test_summary_fails_on_too_few_weight_loads_or_a_missing_part(tmp_path: Path) -> None:

@@ -158,14 +158,21 @@ def init_single_rank(device: str, seed: int) -> None:
 
 
 def _build(spec: dict[str, Any], attention: str, recompute: str) -> Any:
-    """The cell's model: seeded random weights (norm weights 1), bf16 by casting for --precision bf16
-    (`build_gpt` builds fp32 master weights), gradients allocated, returning final hidden states."""
+    """The cell's model: seeded random weights (norm weights 1) in the trainer's parameter dtype of
+    --precision (`build_gpt`: bf16 parameters and Megatron's bf16 config, or fp32), gradients allocated in
+    that dtype (no optimizer here, so no fp32 main gradients), returning final hidden states."""
     import torch
 
     from rollart_hpc.train.model import build_gpt
 
     device = torch.device(spec["device"])
-    model = build_gpt(model_config(spec["model"]), device, attention=attention, recompute=recompute)
+    model = build_gpt(
+        model_config(spec["model"]),
+        device,
+        precision=spec["precision"],
+        attention=attention,
+        recompute=recompute,
+    )
     gen = torch.Generator(device=device).manual_seed(spec["seed"])
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -173,8 +180,6 @@ def _build(spec: dict[str, Any], attention: str, recompute: str) -> Any:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=gen)
-    if spec["precision"] == "bf16":
-        model = model.to(torch.bfloat16)
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
     model.return_hidden = True
