@@ -382,13 +382,16 @@ def _chunks(tuning: KernelTuning, num_tokens: int, num_vocab: int) -> tuple[int,
     return max(1, min(token_chunk, num_tokens)), max(1, min(vocab_chunk, num_vocab))
 
 
-def _vocab_chunk_grads(hidden, weight, targets, lse, g, grad_hidden, v0, v_len, tuning):  # type: ignore[no-untyped-def]
-    """d weight[v0:v0+v_len] (returned), accumulating d hidden for that vocabulary chunk in place."""
+def _vocab_chunk_grads(hidden, weight, targets, lse, g, grad_hidden, v0, v_len, tuning, out):  # type: ignore[no-untyped-def]
+    """d weight[v0:v0+v_len] into `out`, accumulating d hidden for that vocabulary chunk in place. With one
+    token chunk the GEMM writes `out` directly (it accumulates in fp32 inside); with several, an fp32
+    accumulator of the vocabulary chunk sums them first."""
     num_tokens, hidden_size = hidden.shape
     token_chunk, _ = _chunks(tuning, num_tokens, weight.shape[0])
     bt, bv, bh = _blocks(tuning, token_chunk, v_len, hidden_size)
     w_chunk = weight[v0 : v0 + v_len]
-    acc = torch.zeros(v_len, hidden_size, dtype=torch.float32, device=hidden.device)
+    single = token_chunk >= num_tokens
+    acc = None if single else torch.zeros(v_len, hidden_size, dtype=torch.float32, device=hidden.device)
     for t0 in range(0, num_tokens, token_chunk):
         t_len = min(token_chunk, num_tokens - t0)
         dlogits = torch.empty(t_len, v_len, dtype=hidden.dtype, device=hidden.device)
@@ -414,8 +417,12 @@ def _vocab_chunk_grads(hidden, weight, targets, lse, g, grad_hidden, v0, v_len, 
             num_stages=tuning.num_stages,
         )
         grad_hidden[t0 : t0 + t_len] += dlogits @ w_chunk
-        acc += dlogits.T @ h_chunk
-    return acc
+        if acc is None:
+            torch.mm(dlogits.T, h_chunk, out=out)
+        else:
+            acc += dlogits.T @ h_chunk
+    if acc is not None:
+        out.copy_(acc)
 
 
 def grads(
@@ -440,9 +447,10 @@ def grads(
         _, vocab_chunk = _chunks(tuning, active.numel(), weight.shape[0])
         for v0 in range(0, weight.shape[0], vocab_chunk):
             v_len = min(vocab_chunk, weight.shape[0] - v0)
-            grad_weight[v0 : v0 + v_len] = _vocab_chunk_grads(
-                h_active, weight, t_active, lse_active, g_active, grad_h_active, v0, v_len, tuning
-            )
+            _vocab_chunk_grads(
+                h_active, weight, t_active, lse_active, g_active, grad_h_active, v0, v_len, tuning,
+                grad_weight[v0 : v0 + v_len],
+            )  # fmt: skip
     grad_hidden = torch.zeros_like(hidden)
     grad_hidden.index_copy_(0, active, grad_h_active.to(hidden.dtype))
     return grad_hidden, grad_weight
