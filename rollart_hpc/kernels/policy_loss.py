@@ -141,14 +141,19 @@ def fused_token_terms(
     tuning: KernelTuning | None = None,
 ) -> FusedTokens:
     """The per-token SPO++ terms of `hidden @ weight.T` [T, V] without materialising it; per-token
-    inputs [T] (advantages already broadcast to tokens) are constants of the loss."""
+    inputs [T] (advantages already broadcast to tokens) are constants of the loss. Only token-level
+    settings (`cfg.in_kernel`) are computed here; the others read trajectories (`token_loss`)."""
+    if not cfg.in_kernel:
+        raise ValueError(
+            "sequence-level ratio, weight or rejection bounds: compute the terms with token_loss"
+        )
     inputs = LossInputs(*(t.detach() for t in inputs))
     ops = get_ops(impl, hidden.device)
     tuning = tuning or KernelTuning()
     with torch.no_grad():
         out: TokenForward = ops.forward(hidden, weight, targets, inputs, cfg, with_entropy, tuning)
     loss = _TokenLoss.apply(hidden, weight, out.loss, targets, out.lse, out.coef, ops, tuning)
-    terms = TokenTerms(loss, out.is_weight, out.clipped, out.dual_clipped, out.is_capped, out.approx_kl)
+    terms = TokenTerms(loss, out.is_weight, out.clipped, out.dual_clipped, out.is_capped, out.approx_kl, None)
     return FusedTokens(terms, out.logprobs, out.entropy)
 
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from rollart_hpc.algo.loss import SUMMED_DIAGNOSTICS, LossConfig, policy_loss
 from rollart_hpc.contracts.atomic import atomic_write_json
+from rollart_hpc.kernels.token_loss import action_tokens_per_sequence
 from rollart_hpc.models.config import ModelConfig
 from rollart_hpc.train import checkpoint, comm, parallel
 from rollart_hpc.train.batch import (
@@ -48,7 +49,7 @@ from rollart_hpc.train.batch import (
 from rollart_hpc.train.config import TrainerConfig
 from rollart_hpc.train.convert import from_stage, megatron_to_hf, stage_layers, unit_entries, unit_to_hf
 from rollart_hpc.train.convert import hf_units as convert_units
-from rollart_hpc.train.lm_head import token_logprobs
+from rollart_hpc.train.lm_head import token_entropy, token_logprobs
 from rollart_hpc.train.model import Layout, ensure_model_parallel, gpt_from_hf
 
 HF_WEIGHTS = "model.safetensors"
@@ -56,7 +57,11 @@ HF_MARKER = "COMPLETE"
 RL_METRICS = SUMMED_DIAGNOSTICS  # the policy-loss diagnostics the RL step reports (summed over replicas)
 # Per-micro-batch loss: (micro-batch, its per-token log-probs [T] with grad, the positions of its tokens
 # in the batch given to the step) -> (loss, metric sums).
-LossFn = Callable[[PackedBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# With `_entropy_mode` set, the policy's per-token entropy [T] follows (else None).
+LossFn = Callable[
+    [PackedBatch, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    tuple[torch.Tensor, dict[str, torch.Tensor]],
+]
 
 
 class Micro(NamedTuple):
@@ -86,6 +91,7 @@ class Trainer:
         self.model.train()
         self.step = 0
         self._sums: dict[str, torch.Tensor] = {}
+        self._entropy_mode: str | None = None  # None | "detached" | "grad": the RL loss's entropy
 
     @property
     def config(self) -> ModelConfig:
@@ -153,18 +159,40 @@ class Trainer:
         out: torch.Tensor = self.gpt.output_layer.weight
         return out
 
-    def _token_logprobs(self, micro: Micro, output: torch.Tensor) -> torch.Tensor:
-        """log p(token t | tokens < t) for every token of the micro-batch as [T] (0 at each sequence's
-        first token), from the last stage's final hidden states through `lm_head.token_logprobs`."""
-        rows = micro.rows
-        valid = rows.target_valid.to(self.device)
+    def _packed_hidden(self, micro: Micro, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last hidden states of the micro-batch's predicted tokens, packed [N, H]; their mask over
+        the padded rows)."""
+        valid = micro.rows.target_valid.to(self.device)
         if self.cfg.sequence_parallel:  # [s/TP, b, H] -> [s, b, H]; its backward sums over TP
             from megatron.core import tensor_parallel
 
             output = tensor_parallel.gather_from_sequence_parallel_region(
                 output, tensor_parallel_output_grad=True
             )
-        hidden = output.transpose(0, 1)[valid]  # packed [N, H]: no padding reaches the head
+        return output.transpose(0, 1)[valid], valid  # no padding reaches the head
+
+    def _token_entropy(self, micro: Micro, output: torch.Tensor) -> torch.Tensor:
+        """The policy's entropy [T] at every token of the micro-batch (0 at each sequence's first token),
+        with its gradient in `_entropy_mode` "grad" (`lm_head.token_entropy`)."""
+        hidden, valid = self._packed_hidden(micro, output)
+        with contextlib.nullcontext() if self._entropy_mode == "grad" else torch.no_grad():
+            ent = token_entropy(
+                hidden,
+                self._head_weight(),
+                self.model_config.vocab_size,
+                self.layout.tp_size,
+                self.cfg.collective_timeout_s,
+                copy_to_tp=not self.cfg.sequence_parallel,
+            )
+        index = micro.rows.flat_index.to(self.device)[valid]
+        flat = torch.zeros(micro.batch.num_tokens, dtype=torch.float32, device=self.device)
+        return flat.index_put((index,), ent)
+
+    def _token_logprobs(self, micro: Micro, output: torch.Tensor) -> torch.Tensor:
+        """log p(token t | tokens < t) for every token of the micro-batch as [T] (0 at each sequence's
+        first token), from the last stage's final hidden states through `lm_head.token_logprobs`."""
+        rows = micro.rows
+        hidden, valid = self._packed_hidden(micro, output)
         lp = token_logprobs(
             self.cfg.loss_impl,
             hidden,
@@ -183,7 +211,8 @@ class Trainer:
         lp = self._token_logprobs(micro, output)
         if micro.dummy:  # the whole graph, so that every parameter receives its (zero) gradient
             return lp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
-        loss, parts = loss_fn(micro.batch, lp, micro.positions)
+        entropy = self._token_entropy(micro, output) if self._entropy_mode else None
+        loss, parts = loss_fn(micro.batch, lp, micro.positions, entropy)
         for name, value in {"loss": loss, **parts}.items():
             if name in self._sums:
                 self._sums[name] += value.detach().double()
@@ -221,7 +250,7 @@ class Trainer:
         out = torch.zeros(pooled.num_tokens, dtype=torch.float32)
 
         def record(
-            micro: PackedBatch, lp: torch.Tensor, positions: torch.Tensor
+            micro: PackedBatch, lp: torch.Tensor, positions: torch.Tensor, _: torch.Tensor | None
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             out[positions] = lp.detach().cpu()
             return lp.sum() * 0.0, {}
@@ -246,6 +275,12 @@ class Trainer:
     def _global_action_tokens(self, batch: PackedBatch) -> int:
         count = torch.tensor([float(batch.num_action_tokens)], dtype=torch.float64, device=self.device)
         return int(comm.all_reduce_sum(count, "action-token count", self.cfg.collective_timeout_s).item())
+
+    def _global_action_sequences(self, pooled: PackedBatch) -> int:
+        """The trajectories with an action token of all replicas' pooled batches."""
+        count = torch.tensor([float(_action_sequences(pooled))], dtype=torch.float64, device=self.device)
+        timeout = self.cfg.collective_timeout_s
+        return int(comm.all_reduce_sum(count, "sequence count", timeout, self._dp_group()).item())
 
     def _dp_group(self) -> Any:
         from megatron.core import parallel_state
@@ -296,7 +331,7 @@ class Trainer:
         _check_denominator(denom, pooled)
 
         def nll(
-            micro: PackedBatch, lp: torch.Tensor, _: torch.Tensor
+            micro: PackedBatch, lp: torch.Tensor, _: torch.Tensor, __: torch.Tensor | None
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             mask = micro.action_mask.to(self.device)
             return -(torch.where(mask, lp, 0.0).sum() / denom), {}
@@ -316,12 +351,13 @@ class Trainer:
         action-token count (one all_reduce of the counts over the replicas). From the second update on
         the ratio moves away from 1, so the clip, the dual clip and the importance cap act. A minibatch
         empty on every replica is skipped by all. Metrics are means over the updates of the global token
-        means (loss, approx_kl, clip_fraction, dual_clip_fraction, is_capped_fraction, is_weight,
-        grad_norm), plus num_updates, num_tokens and num_action_tokens of the whole batch, and step."""
+        means (loss, approx_kl, clip_fraction, dual_clip_fraction, is_capped_fraction, is_rejected_fraction,
+        is_weight, entropy (mean over action tokens), grad_norm), plus num_updates, num_tokens and num_action_tokens of the whole batch, and step."""
         pooled, _ = self._pool(batch)
         _check_denominator(num_global_action_tokens, pooled)
         if self.cfg.ppo_epochs == 1 and self.cfg.num_minibatches == 1:
-            update = self._policy_update(pooled, num_global_action_tokens, loss_cfg, None)
+            seqs = self._global_action_sequences(pooled) if loss_cfg.loss_agg != "token_mean" else None
+            update = self._policy_update(pooled, num_global_action_tokens, loss_cfg, None, seqs)
             return update | {"num_updates": 1.0}
         proximal = self._pooled_logprobs(pooled)
         groups = [
@@ -329,16 +365,22 @@ class Trainer:
         ]
         groups += [[]] * (self.cfg.num_minibatches - len(groups))  # fewer sequences than minibatches
         local = [float(select(pooled, g).num_action_tokens) for g in groups] + [float(pooled.num_tokens)]
+        local += [float(_action_sequences(select(pooled, g))) for g in groups]
         counts = torch.tensor(local, dtype=torch.float64, device=self.device)
-        *per_group, num_tokens = comm.all_reduce_sum(
+        reduced = comm.all_reduce_sum(
             counts, "minibatch token counts", self.cfg.collective_timeout_s, self._dp_group()
         ).tolist()
+        per_group, num_tokens, seqs_per_group = (
+            reduced[: len(groups)],
+            reduced[len(groups)],
+            reduced[-len(groups) :],
+        )
         updates = []
         for _ in range(self.cfg.ppo_epochs):
-            for group, count in zip(groups, per_group, strict=True):
+            for group, count, seqs in zip(groups, per_group, seqs_per_group, strict=True):
                 if count > 0:
                     mini, old = select(pooled, group), proximal[token_positions(pooled, group)]
-                    updates.append(self._policy_update(mini, int(count), loss_cfg, old))
+                    updates.append(self._policy_update(mini, int(count), loss_cfg, old, int(seqs)))
         metrics = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         metrics.update(
             num_tokens=num_tokens,
@@ -354,18 +396,27 @@ class Trainer:
         num_global_action_tokens: int,
         loss_cfg: LossConfig,
         proximal: torch.Tensor | None,
+        num_global_sequences: int | None = None,
     ) -> dict[str, float]:
         """One optimizer step on the policy loss of a replica's `batch`; `proximal` [T] (None: the
-        current log-probs, detached)."""
+        current log-probs, detached); `num_global_sequences`: the step's trajectories with an action
+        token over all replicas (the denominator of the per-trajectory aggregations)."""
 
         def spo(
-            micro: PackedBatch, lp: torch.Tensor, positions: torch.Tensor
+            micro: PackedBatch, lp: torch.Tensor, positions: torch.Tensor, entropy: torch.Tensor | None
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             old = None if proximal is None else proximal[positions]
-            loss, diagnostics = policy_loss(lp, micro, loss_cfg, num_global_action_tokens, old)
-            return loss, diagnostics.summed()
+            loss, diagnostics = policy_loss(
+                lp, micro, loss_cfg, num_global_action_tokens, old, num_global_sequences, entropy
+            )
+            assert diagnostics.entropy is not None
+            return loss, {**diagnostics.summed(), "entropy": diagnostics.entropy}
 
-        return self._run_step(batch, spo, RL_METRICS)
+        self._entropy_mode = "grad" if loss_cfg.entropy_coef else "detached"
+        try:
+            return self._run_step(batch, spo, (*RL_METRICS, "entropy"))
+        finally:
+            self._entropy_mode = None
 
     # ---- weights and checkpoints ---------------------------------------------------------------
     def reset_optimizer(self) -> None:
@@ -486,6 +537,11 @@ def _pick_device(compute_dtype: str) -> torch.device:
     if compute_dtype != "float32":
         raise ValueError(f"compute_dtype {compute_dtype!r} needs a GPU; the CPU trainer runs in float32")
     return torch.device("cpu")
+
+
+def _action_sequences(batch: PackedBatch) -> int:
+    """The sequences of `batch` with at least one action token."""
+    return int((action_tokens_per_sequence(batch.action_mask, batch.cu_seqlens) > 0).sum())
 
 
 def _check_denominator(num_global_action_tokens: int, batch: PackedBatch) -> None:
