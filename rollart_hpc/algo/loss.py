@@ -3,8 +3,9 @@
     policy_loss(source, batch, cfg, num_global_action_tokens, old_logprobs=None) -> (loss, LossDiagnostics)
 
 The per-token math (`ppo_token_terms`, formulas in `rollart_hpc.kernels.token_loss`) and the reduction
-(sum, divide by the global action-token count of the optimizer step across micro-batches and DP ranks,
-diagnostics) exist once, in the kernels' torch reference; this module converts `LossConfig` to the
+(per-token weights by `loss_agg`: 1 / the global action-token count of the optimizer step across
+micro-batches and DP ranks, or per-trajectory weights over the global trajectory count, see
+`aggregation_weights`; diagnostics) exist once, in the kernels' torch reference; this module converts `LossConfig` to the
 kernels' `KernelLossConfig` and picks the implementation by the type of `source`:
 
 - token log-probs [T] with gradient: the torch reference (the trainer's path: its model computes the

@@ -12,7 +12,8 @@ buckets, and Megatron's optimizer clips by the global norm and steps (Adam state
 the distributed optimizer), so all replicas stay identical.
 
 Invariant: the loss of every micro-batch is divided by the step's *global* action-token count (all
-ranks and micro-batches), computed on the last pipeline stage, and gradients are summed over
+ranks and micro-batches), or weighed per trajectory over the global trajectory count (`algo.loss_agg`),
+computed on the last pipeline stage, and gradients are summed over
 micro-batches and data-parallel replicas (never averaged), so the step follows the gradient of the
 whole batch's token-mean loss whatever the layout. Metrics are reduced once per step from the last
 stage's first tensor-parallel rank of every replica. Every collective is bounded by
