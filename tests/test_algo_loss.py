@@ -20,6 +20,7 @@ from rollart_hpc.algo import (
     ppo_token_terms,
 )
 from rollart_hpc.kernels import KernelLossConfig, LossInputs
+from rollart_hpc.kernels.token_loss import kl_estimate, reward_to_go
 
 CONFIGS = {
     "spo++": LossConfig(),
@@ -449,3 +450,42 @@ def test_entropy_bonus_by_hand() -> None:
     assert grad.tolist() == pytest.approx([0, -0.025, -0.025, -0.025, 0, -0.025])
     with pytest.raises(ValueError, match="entropy"):
         policy_loss(b["logprobs"], inputs, cfg, 4, None, 2)
+
+
+def test_kl_estimators_and_the_kl_term_by_hand() -> None:
+    """k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r with log r = ref - logp; kl_in 'loss' adds
+    kl_coef x the estimate (aggregated as the loss); 'reward' subtracts kl_coef x the proximal policy's
+    estimate summed from each token to its trajectory's end from that token's advantage."""
+    lp = [0.0, -0.5, 0.0, 0.2, 0.0, 0.0]
+    b = _two_trajectories(lp, lp)  # behaviour = proximal = current: every ratio and weight is 1
+    ref = torch.tensor([0.0, -1.0, 0.0, 0.0, 0.0, -0.3], dtype=torch.float64)
+    log_r = torch.tensor([0.0, -0.5, 0.0, -0.2, 0.0, -0.3], dtype=torch.float64)
+    expected = {
+        "k1": -log_r,
+        "k2": 0.5 * log_r**2,
+        "k3": torch.exp(log_r) - 1 - log_r,
+    }
+    for name, want in expected.items():
+        torch.testing.assert_close(kl_estimate(b["logprobs"], ref, b["mask"], name), want)
+    assert kl_estimate(ref, ref, b["mask"], "k3").abs().max() == 0  # the policy is the reference: KL = 0
+    torch.testing.assert_close(
+        reward_to_go(torch.arange(6.0), b["mask"], b["cu_seqlens"]),
+        torch.tensor([6.0, 6.0, 5.0, 3.0, 5.0, 5.0]),
+    )
+    inputs = SequenceBatch(
+        b["mask"], b["behaviour"], torch.tensor([0, 1, 1, 1, 0, -2.0], dtype=torch.float64), b["cu_seqlens"]
+    )
+    base, _ = policy_loss(b["logprobs"], inputs, LossConfig(), 4, None, None, None, ref)
+    in_loss, diag = policy_loss(b["logprobs"], inputs, LossConfig(kl_coef=0.5), 4, None, None, None, ref)
+    k3 = expected["k3"][b["mask"]]
+    assert float((in_loss - base).detach()) == pytest.approx(0.5 * float(k3.sum()) / 4)
+    assert float(diag.kl) == pytest.approx(float(k3.sum()) / 4)
+    # 'reward': proximal = current here, so token t's advantage loses 0.5 x k3 summed to its trajectory's end
+    cfg = LossConfig(kl_coef=0.5, kl_in="reward", dual_clip_c=None)
+    in_reward, _ = policy_loss(b["logprobs"], inputs, cfg, 4, None, None, None, ref)
+    k = expected["k3"]
+    to_go = torch.tensor([k[1] + k[2] + k[3], k[2] + k[3], k[3], k[5]])
+    adv = torch.tensor([1.0, 1.0, 1.0, -2.0], dtype=torch.float64) - 0.5 * to_go
+    assert float(in_reward.detach()) == pytest.approx(float(-adv.sum() / 4))
+    with pytest.raises(ValueError, match="reference"):
+        policy_loss(b["logprobs"], inputs, LossConfig(kl_coef=0.5), 4)

@@ -79,6 +79,8 @@ def test_loss_config_from_the_algo_section():
     algo = build_config({"name": "custom", "dual_clip_c": 0, "is_cap": 3.0, "is_reject_high": 4.0}).algo
     cfg = LossConfig.from_config(algo)
     assert (cfg.dual_clip_c, cfg.is_cap, cfg.is_reject_low, cfg.is_reject_high) == (None, 3.0, None, 4.0)
+    kl = LossConfig.from_config(build_config({"kl_coef": 0.01}).algo)
+    assert (kl.kl_coef, kl.kl_estimator, kl.kl_in) == (0.01, "k3", "loss")
     gspo = LossConfig.from_config(build_config({"name": "gspo"}).algo)
     assert (gspo.ratio_level, gspo.loss_agg, gspo.clip_low) == ("sequence", "seq_mean_token_mean", 3e-4)
 
@@ -142,6 +144,9 @@ def test_legacy_advantage_maps_onto_normalization():
         ({"clip_low": 1.5}, 4, "algo.clip_low, algo.clip_high"),
         ({"entropy_coef": -0.1}, 4, "algo.entropy_coef: must be >= 0"),
         ({"is_level": "trajectory"}, 4, "algo.is_level: 'trajectory' is not one of"),
+        ({"kl_estimator": "k2"}, 4, "algo.kl_estimator: has no effect with algo.kl_coef = 0"),
+        ({"kl_in": "reward"}, 4, "algo.kl_in: has no effect with algo.kl_coef = 0"),
+        ({"kl_coef": -1.0}, 4, "algo.kl_coef: must be >= 0"),
     ],
 )
 def test_bad_combinations_are_one_line_usage_errors(algo, batch, needle):

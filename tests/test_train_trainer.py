@@ -115,6 +115,21 @@ def test_rl_step_logs_the_action_token_entropy_of_transformers_logits(model_dir:
     assert metrics["entropy"] == pytest.approx(expected, rel=1e-5)
 
 
+def test_kl_to_the_reference_is_zero_while_the_policy_equals_it(model_dir: Path) -> None:
+    """A reference loaded from the policy's own weights: kl = 0 and the k3 term leaves the gradient as it
+    is (its gradient vanishes at r = 1); after one update the policy moves away and kl > 0."""
+    plain, with_kl = _trainer(model_dir, micro_batch_tokens=30), _trainer(model_dir, micro_batch_tokens=30)
+    with_kl.load_reference(model_dir)
+    batch = _batch(plain.config.vocab_size, [20, 26, 14], [1.0, -0.5, 0.3], seed=3)
+    batch = _with_behaviour(batch, plain.logprobs(batch))
+    m0 = plain.rl_step(batch, batch.num_action_tokens, LossConfig())
+    m1 = with_kl.rl_step(batch, batch.num_action_tokens, LossConfig(kl_coef=0.1, kl_estimator="k3"))
+    assert m1["kl"] == 0.0 and "kl" not in m0
+    torch.testing.assert_close(with_kl.grad_buffer, plain.grad_buffer, rtol=1e-6, atol=1e-9)
+    m2 = with_kl.rl_step(batch, batch.num_action_tokens, LossConfig(kl_coef=0.1, kl_estimator="k3"))
+    assert m2["kl"] > 0.0
+
+
 def test_sft_steps_reduce_the_loss(model_dir: Path) -> None:
     trainer = _trainer(model_dir)
     batch = _batch(trainer.config.vocab_size, [24, 16, 30], [0.0, 0.0, 0.0])
@@ -354,8 +369,9 @@ def test_reset_optimizer_makes_the_next_step_a_fresh_adamw_step(model_dir: Path)
         LossConfig(
             entropy_coef=0.05, loss_agg="seq_mean_token_mean", ratio_level="sequence", is_level="sequence"
         ),
+        LossConfig(kl_coef=0.1, kl_estimator="k1"),  # k1's gradient does not vanish at the reference
     ],
-    ids=["default", "entropy_gspo"],
+    ids=["default", "entropy_gspo", "kl_k1"],
 )
 def test_fused_loss_equals_eager_on_packed_batches_with_observation_tokens(
     model_dir: Path, cfg: LossConfig
@@ -365,7 +381,10 @@ def test_fused_loss_equals_eager_on_packed_batches_with_observation_tokens(
 
     def trainer(impl: str) -> Trainer:
         optim = OptimConfig(lr=1e-3, grad_clip=0.0)
-        return Trainer(model_dir, TrainerConfig(optim=optim, micro_batch_tokens=40, loss_impl=impl))
+        out = Trainer(model_dir, TrainerConfig(optim=optim, micro_batch_tokens=40, loss_impl=impl))
+        if cfg.kl_coef:
+            out.load_reference(model_dir)
+        return out
 
     fused, eager = trainer("fused"), trainer("eager")
     batch = _batch(fused.config.vocab_size, [20, 26, 14, 9, 11], [1.0, -0.5, 0.3, 2.0, -1.0], seed=5)
@@ -380,7 +399,14 @@ def test_fused_loss_equals_eager_on_packed_batches_with_observation_tokens(
     assert len(micro_batch_groups(batch, 40)) >= 3
     m_fused = fused.rl_step(batch, batch.num_action_tokens, cfg)
     m_eager = eager.rl_step(batch, batch.num_action_tokens, cfg)
-    for name in ("loss", "grad_norm", "is_weight", "is_capped_fraction", "entropy"):
+    for name in (
+        "loss",
+        "grad_norm",
+        "is_weight",
+        "is_capped_fraction",
+        "entropy",
+        *(("kl",) if cfg.kl_coef else ()),
+    ):
         assert m_fused[name] == pytest.approx(m_eager[name], rel=1e-5, abs=1e-8), name
     g_fused, g_eager = fused.grad_buffer, eager.grad_buffer
     assert float(g_eager.abs().max()) > 0

@@ -39,7 +39,9 @@ from rollart_hpc.kernels.token_loss import (
     LossDiagnostics,
     TokenTerms,
     aggregation_weights,
+    kl_estimate,
     reduce_token_terms,
+    reward_to_go,
 )
 from rollart_hpc.kernels.token_loss import ppo_token_terms as _kernel_token_terms
 
@@ -81,6 +83,9 @@ class LossConfig(KernelLossConfig):
             loss_agg=algo.loss_agg,
             loss_agg_tokens=algo.loss_agg_tokens,
             entropy_coef=algo.entropy_coef,
+            kl_coef=algo.kl_coef,
+            kl_estimator=algo.kl_estimator or "k3",
+            kl_in=algo.kl_in or "loss",
         )
 
     def to_kernel(self) -> KernelLossConfig:
@@ -199,6 +204,7 @@ def policy_loss(
     old_logprobs: torch.Tensor | None = None,
     num_global_sequences: int | None = None,
     entropy: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossDiagnostics]:
     """SPO++ policy loss of one micro-batch, aggregated by `cfg.loss_agg`, and its diagnostics.
 
@@ -215,16 +221,34 @@ def policy_loss(
         cfg.entropy_coef > 0: the loss subtracts entropy_coef x it, aggregated as the loss); reported as
         `LossDiagnostics.entropy`. `LMHeadInputs` compute it themselves (`with_entropy` or entropy_coef > 0;
         entropy_coef > 0 takes the log-probs from the fused head and the terms and entropy from torch).
+    ref_logprobs: with a log-prob source, the reference policy's log-probs [T]: `LossDiagnostics.kl` is
+        the token mean of the cfg.kl_estimator estimate of KL(policy || reference); cfg.kl_coef > 0 adds
+        kl_coef x it to the loss (kl_in "loss") or subtracts kl_coef x the reward-to-go of the proximal
+        policy's estimate from the advantages (kl_in "reward"). Needed when cfg.kl_coef > 0.
     """
     cu_seqlens = getattr(batch, "cu_seqlens", None)
     if cfg.needs_sequences and cu_seqlens is None:
         raise ValueError(f"loss_agg {cfg.loss_agg!r} and sequence-level terms need the batch's cu_seqlens")
+    token_kl = None
     if isinstance(source, LMHeadInputs):
+        if cfg.kl_coef or ref_logprobs is not None:
+            raise ValueError("the KL to a reference policy takes the log-prob source, not LMHeadInputs")
         inputs, terms, entropy = _fused_terms(source, batch, cfg, old_logprobs, cu_seqlens)
     else:
         old = source.detach() if old_logprobs is None else old_logprobs
         inputs = _token_inputs(batch, old, source.device)
         _check_token_shapes(source, *inputs)
+        if cfg.kl_coef and ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs the reference policy's log-probs")
+        if ref_logprobs is not None:
+            ref = ref_logprobs.to(source.device)
+            token_kl = kl_estimate(source, ref, inputs.action_mask, cfg.kl_estimator)
+            if cfg.kl_coef and cfg.kl_in == "reward":
+                penalty = kl_estimate(inputs.old_logprobs, ref, inputs.action_mask, cfg.kl_estimator)
+                assert cu_seqlens is not None  # cfg.needs_sequences, checked above
+                to_go = reward_to_go(penalty, inputs.action_mask, cu_seqlens)
+                shaped = inputs.advantages - cfg.kl_coef * to_go
+                inputs = inputs._replace(advantages=shaped.detach())
         terms = ppo_token_terms(
             source,
             inputs.old_logprobs,
@@ -255,6 +279,8 @@ def policy_loss(
         entropy,
         weights,
         cfg.entropy_coef,
+        token_kl,
+        cfg.kl_coef if cfg.kl_in == "loss" else 0.0,
     )
 
 

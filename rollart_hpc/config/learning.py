@@ -141,6 +141,22 @@ class AlgoConfig:
         "Entropy bonus: the loss subtracts this x the action-token entropy of the policy, aggregated as "
         "the loss (0 = off; the entropy is logged either way).",
     )
+    kl_coef: float = doc_field(
+        0.0,
+        "KL to a reference policy, a frozen copy of the warm-start weights on the trainer ranks (0 = off; "
+        "> 0 also logs kl, the token mean of the estimate).",
+    )
+    kl_estimator: Literal["", "k1", "k2", "k3"] = doc_field(
+        "",
+        "Per-token estimator of KL(policy || reference), log r = ref - logp: 'k1' = -log r, 'k2' = (log r)^2 "
+        "/ 2, 'k3' = r - 1 - log r. '' = 'k3' when kl_coef > 0.",
+    )
+    kl_in: Literal["", "loss", "reward"] = doc_field(
+        "",
+        "'loss': kl_coef x the estimate joins the per-token loss (aggregated as the loss); 'reward': each "
+        "action token's advantage loses kl_coef x the estimate summed from it to its trajectory's end "
+        "(the proximal policy's, no gradient). '' = 'loss' when kl_coef > 0.",
+    )
 
     def __post_init__(self) -> None:
         if self.advantage:
@@ -240,6 +256,11 @@ class AlgoConfig:
             )
         if self.entropy_coef < 0:
             raise UsageError(f"{path}.entropy_coef: must be >= 0, got {self.entropy_coef}")
+        if self.kl_coef < 0:
+            raise UsageError(f"{path}.kl_coef: must be >= 0, got {self.kl_coef}")
+        for key in ("kl_estimator", "kl_in"):
+            if getattr(self, key) and not self.kl_coef:
+                raise UsageError(f"{path}.{key}: has no effect with {path}.kl_coef = 0; remove it")
 
 
 @dataclass(frozen=True)

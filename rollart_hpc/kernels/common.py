@@ -20,6 +20,8 @@ import torch
 
 LEVELS = ("token", "sequence")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_INS = ("loss", "reward")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,10 @@ class KernelLossConfig:
         loss_agg_tokens, the same every step).
     entropy_coef: weight of the entropy bonus (the loss subtracts entropy_coef x the action-token entropy,
         aggregated as the loss); needs the entropy of the softmax, so it needs hidden states and LM head.
+    kl_coef / kl_estimator / kl_in: KL to a reference policy (0 = off), estimated per action token by
+        "k1" | "k2" | "k3" (`token_loss.kl_estimate`); "loss" adds kl_coef x it to the per-token loss
+        (aggregated as the loss, gradient through the current log-probs), "reward" subtracts kl_coef x the
+        reward-to-go of the proximal policy's estimate from each token's advantage (no gradient).
     """
 
     clip_low: float = 0.2
@@ -61,6 +67,9 @@ class KernelLossConfig:
     loss_agg: str = "token_mean"
     loss_agg_tokens: int = 0
     entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in: str = "loss"
 
     def __post_init__(self) -> None:
         if not (0 < self.clip_low < 1 and self.clip_high > 0):
@@ -82,8 +91,14 @@ class KernelLossConfig:
                 f"loss_agg_tokens > 0 goes with loss_agg 'seq_mean_token_sum_norm' only, got "
                 f"{self.loss_agg!r} with {self.loss_agg_tokens}"
             )
-        if self.entropy_coef < 0:
-            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
+        if self.entropy_coef < 0 or self.kl_coef < 0:
+            raise ValueError(
+                f"entropy_coef and kl_coef must be >= 0, got {self.entropy_coef}, {self.kl_coef}"
+            )
+        if self.kl_estimator not in KL_ESTIMATORS or self.kl_in not in KL_INS:
+            raise ValueError(
+                f"kl_estimator in {KL_ESTIMATORS}, kl_in in {KL_INS}: {self.kl_estimator!r}, {self.kl_in!r}"
+            )
 
     def _check_levels(self) -> None:
         for name in ("ratio_level", "is_level"):
@@ -108,7 +123,8 @@ class KernelLossConfig:
     @property
     def needs_sequences(self) -> bool:
         """Whether the loss reads trajectory boundaries (sequence-level ratio or weight, or aggregation)."""
-        return "sequence" in (self.ratio_level, self.is_level) or self.loss_agg != "token_mean"
+        kl_reward = self.kl_coef > 0 and self.kl_in == "reward"
+        return "sequence" in (self.ratio_level, self.is_level) or self.loss_agg != "token_mean" or kl_reward
 
     @property
     def in_kernel(self) -> bool:

@@ -178,6 +178,33 @@ def action_tokens_per_sequence(
     return counts.index_add(0, seq, action_mask.bool().to(dtype))
 
 
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor, estimator: str
+) -> torch.Tensor:
+    """Per-token estimate [T] of KL(pi || ref) from tokens sampled by pi (Schulman's estimators), 0 off the
+    mask, with log r = clamp(ref - logp, +-20): "k1" = -log r, "k2" = (log r)^2 / 2, "k3" = r - 1 - log r
+    (unbiased and >= 0). Differentiable in `logprobs`; 0 wherever logprobs = ref_logprobs."""
+    mask = action_mask.bool()
+    log_r = torch.where(mask, ref_logprobs.detach() - logprobs, 0.0).clamp(-20.0, 20.0)
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    if estimator == "k3":
+        return torch.exp(log_r) - 1.0 - log_r
+    raise ValueError(f"unknown KL estimator {estimator!r}: expected k1, k2 or k3")
+
+
+def reward_to_go(values: torch.Tensor, action_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Per token [T]: the sum of `values` over the action tokens of its trajectory from it to the end."""
+    masked = torch.where(action_mask.bool(), values, 0.0)
+    inclusive = masked.cumsum(0)
+    ends = cu_seqlens[1:].to(values.device) - 1
+    seq = sequence_index(cu_seqlens.to(values.device), values.shape[0])
+    total_at_end = inclusive[ends.clamp(min=0)][seq] if values.numel() else inclusive
+    return total_at_end - inclusive + masked
+
+
 def aggregation_weights(
     action_mask: torch.Tensor,
     cu_seqlens: torch.Tensor | None,
@@ -229,6 +256,7 @@ class LossDiagnostics:
     num_action_tokens: int
     entropy: torch.Tensor | None = None
     token_entropy: torch.Tensor | None = None
+    kl: torch.Tensor | None = None  # summed KL-to-reference estimate / denominator, when given
 
     def summed(self) -> dict[str, torch.Tensor]:
         """The diagnostics that add up across micro-batches and ranks, keyed by `SUMMED_DIAGNOSTICS`."""
@@ -251,12 +279,14 @@ def reduce_token_terms(
     token_entropy: torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    token_kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, LossDiagnostics]:
     """(loss, diagnostics) of one micro-batch.
 
-    The loss is sum_t weight_t (loss_t - entropy_coef H_t) over action tokens, with weight_t =
-    `token_weights` (`aggregation_weights`) or, when None, 1 / num_global_action_tokens; the entropy term
-    needs `token_entropy` with its gradient. Diagnostics (entropy included) are always summed and divided
+    The loss is sum_t weight_t (loss_t - entropy_coef H_t + kl_coef KL_t) over action tokens, with
+    weight_t = `token_weights` (`aggregation_weights`) or, when None, 1 / num_global_action_tokens; the
+    entropy and KL terms need `token_entropy` and `token_kl` with their gradients. Diagnostics (entropy included) are always summed and divided
     by the global action-token count, so they add up to the step's token means whatever the aggregation.
     `advantages` are per token [T]; only their masked max |A| is read. Diagnostics are detached."""
     mask = action_mask.bool()
@@ -279,12 +309,17 @@ def reduce_token_terms(
         num_action_tokens=num_local,
         entropy=entropy,
         token_entropy=token_entropy.detach() if token_entropy is not None else None,
+        kl=torch.where(mask, token_kl.detach(), 0.0).sum() / denom if token_kl is not None else None,
     )
     per_token = terms.loss
     if entropy_coef:
         if token_entropy is None:
             raise ValueError("entropy_coef > 0 needs the per-token entropy")
         per_token = per_token - entropy_coef * torch.where(mask, token_entropy.to(per_token.dtype), 0.0)
+    if kl_coef:
+        if token_kl is None:
+            raise ValueError("kl_coef > 0 in the loss needs the per-token KL estimate")
+        per_token = per_token + kl_coef * torch.where(mask, token_kl.to(per_token.dtype), 0.0)
     if token_weights is None:
         return per_token.sum() / denom, diagnostics
     return (per_token * token_weights.to(per_token.dtype)).sum(), diagnostics

@@ -206,7 +206,7 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from rollart_hpc.train.trainer import Trainer
+    from rollart_hpc.train.trainer import HF_MARKER, Trainer
 
     torch.set_num_threads(config.trainer.num_threads)
     init_trainer_group(ctx)
@@ -228,6 +228,9 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
         current = run_dir / "model" / f"resumed-{Path(start.resume).parent.name}"
     set_lr(trainer, config.trainer.lr)
     trainer.save_hf(current)  # all ranks gather; the first trainer writes
+    if config.algo.kl_coef:  # the reference policy: the warm start's weights (a resumed run's too)
+        warm = run_dir / "model" / "warm"
+        trainer.load_reference(warm if (warm / HF_MARKER).exists() else current)
     ctx.mailbox.send(Ready(str(current), time.perf_counter() - started), 0, Tag.READY)
     sender = None
     # The layout of the published tensors (names, shapes, dtypes), gathered unit by unit as they will be.

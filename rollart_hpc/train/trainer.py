@@ -93,6 +93,7 @@ class Trainer:
         self.step = 0
         self._sums: dict[str, torch.Tensor] = {}
         self._entropy_mode: str | None = None  # None | "detached" | "grad": the RL loss's entropy
+        self._reference: Any = None  # the frozen reference policy (`load_reference`), or None
 
     @property
     def config(self) -> ModelConfig:
@@ -265,6 +266,32 @@ class Trainer:
             comm.broadcast(out, last, "pipeline log-probs", self.cfg.collective_timeout_s, group)
         return out
 
+    def load_reference(self, model_dir: str | Path) -> None:
+        """Hold the HF weights of `model_dir` as the frozen reference policy: a second shard of this rank's
+        (TP, PP) layout, without gradients or optimizer state (all ranks together)."""
+        reference, _ = gpt_from_hf(model_dir, self.device, self.layout, self.cfg.sequence_parallel)
+        reference.return_hidden = True
+        reference.requires_grad_(False)
+        reference.eval()
+        self._reference = reference
+
+    @contextlib.contextmanager
+    def _as_reference(self) -> Iterator[None]:
+        saved = self.gpt, self.model
+        self.gpt = self.model = self._reference
+        try:
+            yield
+        finally:
+            self.gpt, self.model = saved
+
+    def _reference_logprobs(self, pooled: PackedBatch) -> torch.Tensor:
+        """The reference policy's per-token log-probs [T] (CPU, fp32) of a replica's batch, through the same
+        forward-only schedule as `logprobs`."""
+        if self._reference is None:
+            raise RuntimeError("a KL to the reference policy needs Trainer.load_reference first")
+        with self._as_reference():
+            return self._pooled_logprobs(pooled)
+
     @torch.no_grad()
     def logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """Per-token log-probs [T] (CPU, fp32) of the current weights for this rank's `batch` (all ranks
@@ -356,9 +383,10 @@ class Trainer:
         is_weight, entropy (mean over action tokens), grad_norm), plus num_updates, num_tokens and num_action_tokens of the whole batch, and step."""
         pooled, _ = self._pool(batch)
         _check_denominator(num_global_action_tokens, pooled)
+        reference = self._reference_logprobs(pooled) if loss_cfg.kl_coef else None
         if self.cfg.ppo_epochs == 1 and self.cfg.num_minibatches == 1:
             seqs = self._global_action_sequences(pooled) if loss_cfg.loss_agg != "token_mean" else None
-            update = self._policy_update(pooled, num_global_action_tokens, loss_cfg, None, seqs)
+            update = self._policy_update(pooled, num_global_action_tokens, loss_cfg, None, seqs, reference)
             return update | {"num_updates": 1.0}
         proximal = self._pooled_logprobs(pooled)
         groups = [
@@ -380,8 +408,10 @@ class Trainer:
         for _ in range(self.cfg.ppo_epochs):
             for group, count, seqs in zip(groups, per_group, seqs_per_group, strict=True):
                 if count > 0:
-                    mini, old = select(pooled, group), proximal[token_positions(pooled, group)]
-                    updates.append(self._policy_update(mini, int(count), loss_cfg, old, int(seqs)))
+                    positions = token_positions(pooled, group)
+                    mini, old = select(pooled, group), proximal[positions]
+                    ref = None if reference is None else reference[positions]
+                    updates.append(self._policy_update(mini, int(count), loss_cfg, old, int(seqs), ref))
         metrics = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         metrics.update(
             num_tokens=num_tokens,
@@ -398,24 +428,29 @@ class Trainer:
         loss_cfg: LossConfig,
         proximal: torch.Tensor | None,
         num_global_sequences: int | None = None,
+        reference: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step on the policy loss of a replica's `batch`; `proximal` [T] (None: the
         current log-probs, detached); `num_global_sequences`: the step's trajectories with an action
-        token over all replicas (the denominator of the per-trajectory aggregations)."""
+        token over all replicas (the denominator of the per-trajectory aggregations); `reference` [T]: the
+        reference policy's log-probs (the KL term; its token mean is reported as kl)."""
 
         def spo(
             micro: PackedBatch, lp: torch.Tensor, positions: torch.Tensor, entropy: torch.Tensor | None
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             old = None if proximal is None else proximal[positions]
+            ref = None if reference is None else reference[positions]
             loss, diagnostics = policy_loss(
-                lp, micro, loss_cfg, num_global_action_tokens, old, num_global_sequences, entropy
+                lp, micro, loss_cfg, num_global_action_tokens, old, num_global_sequences, entropy, ref
             )
             assert diagnostics.entropy is not None
-            return loss, {**diagnostics.summed(), "entropy": diagnostics.entropy}
+            parts = {**diagnostics.summed(), "entropy": diagnostics.entropy}
+            return loss, parts if diagnostics.kl is None else {**parts, "kl": diagnostics.kl}
 
         self._entropy_mode = "grad" if loss_cfg.entropy_coef else "detached"
         try:
-            return self._run_step(batch, spo, (*RL_METRICS, "entropy"))
+            names = (*RL_METRICS, "entropy", *(("kl",) if reference is not None else ()))
+            return self._run_step(batch, spo, names)
         finally:
             self._entropy_mode = None
 
