@@ -278,11 +278,9 @@ def test_loss_config_validation() -> None:
         LossConfig(decoupled=True, is_cap=None)
 
 
-def test_loss_config_converts_to_the_kernel_config() -> None:
-    cfg = LossConfig(clip_low=0.1, clip_high=0.3, dual_clip_c=None, is_cap=3.0, decoupled=True)
-    assert cfg.to_kernel() == KernelLossConfig(
-        clip_low=0.1, clip_high=0.3, dual_clip_c=None, is_cap=3.0, decoupled=True, log_ratio_clamp=20.0
-    )
+def test_loss_config_is_the_kernel_config() -> None:
+    """One type from [algo] to the kernels: the algorithm's LossConfig is the kernels' KernelLossConfig."""
+    assert LossConfig is KernelLossConfig
     with pytest.raises(ValueError, match="dual_clip_c"):
         KernelLossConfig(dual_clip_c=0.5)
 

@@ -74,14 +74,14 @@ def test_presets_fill_their_loss(name, loss):
 
 
 def test_loss_config_from_the_algo_section():
-    from rollart_hpc.algo.loss import LossConfig
+    from rollart_hpc.algo.loss import loss_config
 
     algo = build_config({"name": "custom", "dual_clip_c": 0, "is_cap": 3.0, "is_reject_high": 4.0}).algo
-    cfg = LossConfig.from_config(algo)
+    cfg = loss_config(algo)
     assert (cfg.dual_clip_c, cfg.is_cap, cfg.is_reject_low, cfg.is_reject_high) == (None, 3.0, None, 4.0)
-    kl = LossConfig.from_config(build_config({"kl_coef": 0.01}).algo)
+    kl = loss_config(build_config({"kl_coef": 0.01}).algo)
     assert (kl.kl_coef, kl.kl_estimator, kl.kl_in) == (0.01, "k3", "loss")
-    gspo = LossConfig.from_config(build_config({"name": "gspo"}).algo)
+    gspo = loss_config(build_config({"name": "gspo"}).algo)
     assert (gspo.ratio_level, gspo.loss_agg, gspo.clip_low) == ("sequence", "seq_mean_token_mean", 3e-4)
 
 

@@ -143,7 +143,7 @@ def test_parity_with_float64(impl: str, dtype: torch.dtype, case: tuple) -> None
 def test_triton_equals_packed_policy_loss(cfg: LossConfig) -> None:
     """Loss, gradient and every diagnostic of the kernel equal the training reference on the same inputs."""
     p = _problem(7, 48, 16, 90, torch.float32)
-    loss, logp, grad_h, _, diag = _fused(p, "triton", cfg.to_kernel())
+    loss, logp, grad_h, _, diag = _fused(p, "triton", cfg)
     hidden = p["hidden"].double().requires_grad_(True)
     ref_logp = (
         torch.log_softmax(hidden @ p["weight"].double().T, 1).gather(1, p["targets"][:, None]).squeeze(1)

@@ -45,6 +45,7 @@ LOSS_EXPORTS = (
     "SequenceBatch",
     "TokenTerms",
     "broadcast_to_tokens",
+    "loss_config",
     "packed_policy_loss",
     "policy_loss",
     "ppo_token_terms",

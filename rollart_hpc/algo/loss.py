@@ -5,8 +5,8 @@
 The per-token math (`ppo_token_terms`, formulas in `rollart_hpc.kernels.token_loss`) and the reduction
 (per-token weights by `loss_agg`: 1 / the global action-token count of the optimizer step across
 micro-batches and DP ranks, or per-trajectory weights over the global trajectory count, see
-`aggregation_weights`; diagnostics) exist once, in the kernels' torch reference; this module converts `LossConfig` to the
-kernels' `KernelLossConfig` and picks the implementation by the type of `source`:
+`aggregation_weights`; diagnostics) exist once, in the kernels' torch reference; `LossConfig` is the kernels' `KernelLossConfig`
+(built from the [algo] section by `loss_config`); this module picks the implementation by the type of `source`:
 
 - token log-probs [T] with gradient: the torch reference (the trainer's path: its model computes the
   log-probs, then `ppo_token_terms` runs in torch);
@@ -25,7 +25,7 @@ the DP size when the wrapper averages). Diagnostics sum to global means; max |A|
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -54,43 +54,39 @@ __all__ = [
     "SequenceBatch",
     "TokenTerms",
     "broadcast_to_tokens",
+    "loss_config",
     "packed_policy_loss",
     "policy_loss",
     "ppo_token_terms",
 ]
 
 
-@dataclass(frozen=True)
-class LossConfig(KernelLossConfig):
-    """The algorithm's loss parameters: the fields and their checks are the kernels' `KernelLossConfig`
-    (asymmetric clip 0.2 / 0.28 as in DAPO, dual clip and behaviour-weight cap 2 as in SPO++, log-ratio
-    clamp 20 as in verl); this type adds the construction from the run config."""
+LossConfig = KernelLossConfig
+"""The loss's parameters: the kernels' own type (asymmetric clip 0.2 / 0.28 as in DAPO, dual clip and
+behaviour-weight cap 2 as in SPO++, log-ratio clamp 20 as in verl, and the switches below); a run builds
+it from its [algo] section with `loss_config`."""
 
-    @classmethod
-    def from_config(cls, algo: AlgoConfig) -> LossConfig:
-        """The run's loss from the resolved `algo` section (0 turns dual_clip_c, is_cap and the rejection
-        bounds off)."""
-        return cls(
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            dual_clip_c=algo.dual_clip_c or None,
-            is_cap=algo.is_cap or None,
-            decoupled=algo.decoupled,
-            ratio_level=algo.ratio_level,
-            is_level=algo.is_level,
-            is_reject_low=algo.is_reject_low or None,
-            is_reject_high=algo.is_reject_high or None,
-            loss_agg=algo.loss_agg,
-            loss_agg_tokens=algo.loss_agg_tokens,
-            entropy_coef=algo.entropy_coef,
-            kl_coef=algo.kl_coef,
-            kl_estimator=algo.kl_estimator or "k3",
-            kl_in=algo.kl_in or "loss",
-        )
 
-    def to_kernel(self) -> KernelLossConfig:
-        """The same parameters as the kernels' own type."""
-        return KernelLossConfig(**{f.name: getattr(self, f.name) for f in fields(KernelLossConfig)})
+def loss_config(algo: AlgoConfig) -> LossConfig:
+    """The run's loss from the resolved `algo` section (0 turns dual_clip_c, is_cap and the rejection
+    bounds off)."""
+    return LossConfig(
+        clip_low=algo.clip_low,
+        clip_high=algo.clip_high,
+        dual_clip_c=algo.dual_clip_c or None,
+        is_cap=algo.is_cap or None,
+        decoupled=algo.decoupled,
+        ratio_level=algo.ratio_level,
+        is_level=algo.is_level,
+        is_reject_low=algo.is_reject_low or None,
+        is_reject_high=algo.is_reject_high or None,
+        loss_agg=algo.loss_agg,
+        loss_agg_tokens=algo.loss_agg_tokens,
+        entropy_coef=algo.entropy_coef,
+        kl_coef=algo.kl_coef,
+        kl_estimator=algo.kl_estimator or "k3",
+        kl_in=algo.kl_in or "loss",
+    )
 
 
 class LossBatch(Protocol):
@@ -145,7 +141,7 @@ def ppo_token_terms(
 ) -> TokenTerms:
     """Per-token PPO terms over flat [T] tensors (`rollart_hpc.kernels.token_loss.ppo_token_terms`)."""
     return _kernel_token_terms(
-        logprobs, old_logprobs, behaviour_logprobs, advantages, action_mask, cfg.to_kernel(), cu_seqlens
+        logprobs, old_logprobs, behaviour_logprobs, advantages, action_mask, cfg, cu_seqlens
     )
 
 
@@ -188,7 +184,7 @@ def _fused_terms(
         source.weight,
         source.targets,
         inputs,
-        cfg.to_kernel(),
+        cfg,
         source.impl,
         source.with_entropy,
         source.tuning,

@@ -26,7 +26,8 @@ KL_INS = ("loss", "reward")
 
 @dataclass(frozen=True)
 class KernelLossConfig:
-    """The SPO++ per-token loss parameters the kernels read (the algorithm's config converts to this).
+    """The policy loss's parameters, read by the kernels and the torch terms alike (`rollart_hpc.algo.loss`
+    calls it LossConfig and builds it from the [algo] section).
 
     clip_low / clip_high: ratio clipped to [1 - clip_low, 1 + clip_high].
     dual_clip_c: per-token loss capped at -c*A for A < 0; None disables.

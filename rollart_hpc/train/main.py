@@ -162,10 +162,10 @@ def publish(trainer: Trainer, sender: WeightSender | None, version: int) -> None
 
 
 def rl_loop(config: Config, ctx: RunContext, trainer: Trainer, sender: WeightSender | None) -> float:
-    from rollart_hpc.algo.loss import LossConfig  # torch
+    from rollart_hpc.algo.loss import loss_config  # torch
 
     mailbox = ctx.mailbox
-    cfg = LossConfig.from_config(config.algo)
+    cfg = loss_config(config.algo)
     busy_s = 0.0
     timeline = Timeline("trainer", ctx.world.rank)
     while True:
