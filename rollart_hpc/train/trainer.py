@@ -174,21 +174,22 @@ class Trainer:
         return output.transpose(0, 1)[valid], valid  # no padding reaches the head
 
     def _token_entropy(self, micro: Micro, output: torch.Tensor) -> torch.Tensor:
-        """The policy's entropy [T] at every token of the micro-batch (0 at each sequence's first token),
-        with its gradient in `_entropy_mode` "grad" (`lm_head.token_entropy`)."""
+        """The policy's entropy [T] at the micro-batch's action tokens (0 elsewhere; the loss reads no
+        other), with its gradient in `_entropy_mode` "grad" (`lm_head.token_entropy`)."""
         hidden, valid = self._packed_hidden(micro, output)
+        index = micro.rows.flat_index.to(self.device)[valid]
+        action = micro.batch.action_mask.to(self.device)[index]
         with contextlib.nullcontext() if self._entropy_mode == "grad" else torch.no_grad():
             ent = token_entropy(
-                hidden,
+                hidden[action],
                 self._head_weight(),
                 self.model_config.vocab_size,
                 self.layout.tp_size,
                 self.cfg.collective_timeout_s,
                 copy_to_tp=not self.cfg.sequence_parallel,
             )
-        index = micro.rows.flat_index.to(self.device)[valid]
         flat = torch.zeros(micro.batch.num_tokens, dtype=torch.float32, device=self.device)
-        return flat.index_put((index,), ent)
+        return flat.index_put((index[action],), ent)
 
     def _token_logprobs(self, micro: Micro, output: torch.Tensor) -> torch.Tensor:
         """log p(token t | tokens < t) for every token of the micro-batch as [T] (0 at each sequence's
