@@ -176,7 +176,11 @@ def fused_policy_loss(
     Per-token inputs are [T] (advantages already broadcast to tokens). Returns (loss with gradient to
     hidden and weight, log-probs [T] detached, diagnostics), reduced by `token_loss.reduce_token_terms`
     like the torch reference, so it equals that on the log-probs of `hidden @ weight.T` up to rounding.
+    Token-mean aggregation without entropy or KL terms only: `rollart_hpc.algo.loss.policy_loss` takes
+    the rest.
     """
+    if cfg.loss_agg != "token_mean" or cfg.entropy_coef or cfg.kl_coef:
+        raise ValueError("fused_policy_loss is the token-mean loss; use algo.loss.policy_loss for the others")
     inputs = LossInputs(action_mask, old_logprobs, behaviour_logprobs, advantages)
     fused = fused_token_terms(hidden, weight, targets, inputs, cfg, impl, with_entropy, tuning)
     loss, diagnostics = reduce_token_terms(

@@ -21,9 +21,9 @@ same terms in-tile; `lm_head_reference` calls this function.
 `reduce_token_terms` is the only place that turns per-token terms into the loss and its diagnostics: it
 sums them and divides by `num_global_action_tokens`, the action-token count of the whole optimizer step
 across micro-batches and data-parallel ranks, or weighs them by `aggregation_weights` (per-trajectory
-aggregations, whose denominators are the step's global trajectory count). Invariant: summing the outputs of any split of a batch
-(micro-batches, ranks) gives the loss and gradients of the whole batch, so DP gradients are summed, never
-averaged. Diagnostics carry the same normalisation, so they sum to global means; max |A| reduces by max.
+aggregations, whose denominators are the step's global trajectory count). Invariant: summing the outputs
+of any split of a batch (micro-batches, ranks) gives the loss and gradients of the whole batch, so DP
+gradients are summed, never averaged. Diagnostics carry the same normalisation, so they sum to global means; max |A| reduces by max.
 """
 
 from __future__ import annotations
