@@ -79,7 +79,9 @@ def test_loss_config_from_the_algo_section():
     algo = build_config({"name": "custom", "dual_clip_c": 0, "is_cap": 3.0, "is_reject_high": 4.0}).algo
     cfg = loss_config(algo)
     assert (cfg.dual_clip_c, cfg.is_cap, cfg.is_reject_low, cfg.is_reject_high) == (None, 3.0, None, 4.0)
-    kl = loss_config(build_config({"kl_coef": 0.01}).algo)
+    algo = build_config({"kl_coef": 0.01}).algo
+    assert (algo.kl_estimator, algo.kl_in) == ("k3", "loss")  # the resolved file states them
+    kl = loss_config(algo)
     assert (kl.kl_coef, kl.kl_estimator, kl.kl_in) == (0.01, "k3", "loss")
     gspo = loss_config(build_config({"name": "gspo"}).algo)
     assert (gspo.ratio_level, gspo.loss_agg, gspo.clip_low) == ("sequence", "seq_mean_token_mean", 3e-4)

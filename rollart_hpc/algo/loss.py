@@ -84,8 +84,8 @@ def loss_config(algo: AlgoConfig) -> LossConfig:
         loss_agg_tokens=algo.loss_agg_tokens,
         entropy_coef=algo.entropy_coef,
         kl_coef=algo.kl_coef,
-        kl_estimator=algo.kl_estimator or "k3",
-        kl_in=algo.kl_in or "loss",
+        kl_estimator=algo.kl_estimator or LossConfig.kl_estimator,
+        kl_in=algo.kl_in or LossConfig.kl_in,
     )
 
 

@@ -187,6 +187,9 @@ class AlgoConfig:
         clip = CLIP_DEFAULTS.get(self.name, DEFAULT_CLIP)
         object.__setattr__(self, "clip_low", self.clip_low or clip[0])
         object.__setattr__(self, "clip_high", self.clip_high or clip[1])
+        if self.kl_coef:
+            object.__setattr__(self, "kl_estimator", self.kl_estimator or "k3")
+            object.__setattr__(self, "kl_in", self.kl_in or "loss")
 
     def validate(self, path: str) -> None:
         self._validate_estimator(path)
