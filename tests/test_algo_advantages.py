@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -12,9 +14,11 @@ from rollart_hpc.algo import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,
     advantage_diagnostics,
+    batch_whitened_advantages,
     dr_grpo_advantages,
     get_advantage_estimator,
     grpo_advantages,
+    rloo_advantages,
     token_normalized_advantages,
     trajectory_whitened_advantages,
 )
@@ -119,7 +123,7 @@ def test_grpo_matches_definition_on_hand_groups() -> None:
 
 
 def test_registry_names_aliases_and_inputs() -> None:
-    assert set(ADVANTAGE_ESTIMATORS) == {"token", "trajectory", "grpo", "dr_grpo"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"token", "trajectory", "grpo", "dr_grpo", "rloo", "reinforce++"}
     batch = AdvantageInputs(
         rewards=np.array([1.0, 1.0, 0.0, 0.0]),
         action_token_counts=EXAMPLE_L,
@@ -141,3 +145,19 @@ def test_registry_names_aliases_and_inputs() -> None:
         get_advantage_estimator("token")(no_baselines)
     with pytest.raises(ValueError, match="group ids"):
         get_advantage_estimator("grpo")(no_baselines)
+
+
+def test_rloo_and_reinforce_plus_plus_by_hand() -> None:
+    """RLOO: R_i - mean of the others in the group; REINFORCE++: (R - batch mean) / batch std (n - 1)."""
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 2.0, 0.5])
+    groups = ["a", "a", "a", "b", "b", "b"]
+    # group a: 1 - 0 = 1, 0 - 0.5 = -0.5 (twice); group b: 1 - 1.25, 2 - 0.75, 0.5 - 1.5
+    expected = [1.0, -0.5, -0.5, -0.25, 1.25, -1.0]
+    np.testing.assert_allclose(rloo_advantages(rewards, groups), expected)
+    np.testing.assert_allclose(
+        get_advantage_estimator("rloo")(AdvantageInputs(rewards, rewards, None, groups)), expected
+    )
+    r = np.array([1.0, 0.0, 0.0, 3.0])  # mean 1, unbiased std sqrt((0 + 1 + 1 + 4) / 3) = sqrt(2)
+    np.testing.assert_allclose(batch_whitened_advantages(r), (r - 1.0) / (math.sqrt(2) + 1e-8))
+    got = get_advantage_estimator("reinforce++")(AdvantageInputs(r, np.ones(4), baselines=np.full(4, 0.7)))
+    np.testing.assert_allclose(got, (r - 1.0) / (math.sqrt(2) + 1e-8))  # the baselines play no part

@@ -13,12 +13,14 @@ from hypothesis import strategies as st
 from rollart_hpc.algo import (
     LossConfig,
     LossDiagnostics,
+    SequenceBatch,
     broadcast_to_tokens,
     packed_policy_loss,
     policy_loss,
     ppo_token_terms,
 )
 from rollart_hpc.kernels import KernelLossConfig, LossInputs
+from rollart_hpc.kernels.token_loss import kl_estimate, reward_to_go
 
 CONFIGS = {
     "spo++": LossConfig(),
@@ -26,6 +28,21 @@ CONFIGS = {
     "decoupled": LossConfig(decoupled=True),
     "plain": LossConfig(dual_clip_c=None, is_cap=None),
 }
+# Settings that read trajectories: sequence-level ratio / weight, rejection, per-trajectory aggregations.
+SEQ_CONFIGS = {
+    "seq_mean_token_mean": LossConfig(loss_agg="seq_mean_token_mean"),
+    "seq_mean_token_sum_norm": LossConfig(loss_agg="seq_mean_token_sum_norm", loss_agg_tokens=12),
+    "gspo": LossConfig(
+        clip_low=3e-4,
+        clip_high=4e-4,
+        ratio_level="sequence",
+        loss_agg="seq_mean_token_mean",
+        dual_clip_c=None,
+    ),
+    "seq_is_reject": LossConfig(is_level="sequence", is_cap=1.5, is_reject_low=0.5, is_reject_high=3.0),
+    "token_reject": LossConfig(is_cap=None, is_reject_low=0.6, is_reject_high=1.8),
+}
+ALL_CONFIGS = CONFIGS | SEQ_CONFIGS
 
 
 def _scalar_reference(lp: float, old: float, behav: float, adv: float, cfg: LossConfig) -> float:
@@ -119,8 +136,14 @@ class _Batch:
             self.mask[lo:hi],
             num_global,
             cfg,
+            self.num_action_sequences(),
         )
         return loss
+
+    def num_action_sequences(self) -> int:
+        """The batch's trajectories with an action token (at least 1)."""
+        cu = [0, *torch.tensor(self.lengths).cumsum(0).tolist()]
+        return max(1, sum(bool(self.mask[a:b].any()) for a, b in zip(cu, cu[1:], strict=False)))
 
 
 split_cases = st.tuples(
@@ -128,7 +151,7 @@ split_cases = st.tuples(
     st.lists(st.booleans(), min_size=8, max_size=8),
     st.lists(st.booleans(), min_size=8, max_size=8),
     st.integers(0, 1000),
-    st.sampled_from(sorted(CONFIGS)),
+    st.sampled_from(sorted(ALL_CONFIGS)),
 )
 
 
@@ -136,7 +159,7 @@ split_cases = st.tuples(
 @given(split_cases)
 def test_loss_and_gradients_do_not_depend_on_micro_batch_or_rank_split(case: tuple) -> None:
     lengths, micro_cuts, rank_cuts, seed, name = case
-    batch, cfg = _Batch(lengths, seed), CONFIGS[name]
+    batch, cfg = _Batch(lengths, seed), ALL_CONFIGS[name]
     num_global = max(int(batch.mask.sum()), 1)
     theta = batch.theta.clone().requires_grad_(True)
     whole = batch.loss(theta, 0, len(lengths), num_global, cfg)
@@ -225,7 +248,7 @@ def test_global_token_denominator_and_diagnostics() -> None:
         )
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(ALL_CONFIGS))
 def test_gradcheck_float64(name: str) -> None:
     gen = torch.Generator().manual_seed(11)
     old = torch.randn(24, generator=gen, dtype=torch.float64) * 0.5
@@ -239,7 +262,7 @@ def test_gradcheck_float64(name: str) -> None:
     mask[[2, 9, 20]] = False
 
     def f(lp: torch.Tensor) -> torch.Tensor:
-        return packed_policy_loss(lp, old, behaviour, adv, cu, mask, 30, CONFIGS[name])[0]
+        return packed_policy_loss(lp, old, behaviour, adv, cu, mask, 30, ALL_CONFIGS[name], 5)[0]
 
     assert torch.autograd.gradcheck(f, (logprobs,), eps=1e-6, atol=1e-8)
 
@@ -255,11 +278,9 @@ def test_loss_config_validation() -> None:
         LossConfig(decoupled=True, is_cap=None)
 
 
-def test_loss_config_converts_to_the_kernel_config() -> None:
-    cfg = LossConfig(clip_low=0.1, clip_high=0.3, dual_clip_c=None, is_cap=3.0, decoupled=True)
-    assert cfg.to_kernel() == KernelLossConfig(
-        clip_low=0.1, clip_high=0.3, dual_clip_c=None, is_cap=3.0, decoupled=True, log_ratio_clamp=20.0
-    )
+def test_loss_config_is_the_kernel_config() -> None:
+    """One type from [algo] to the kernels: the algorithm's LossConfig is the kernels' KernelLossConfig."""
+    assert LossConfig is KernelLossConfig
     with pytest.raises(ValueError, match="dual_clip_c"):
         KernelLossConfig(dual_clip_c=0.5)
 
@@ -284,7 +305,8 @@ def test_policy_loss_on_token_batch_equals_packed_policy_loss() -> None:
     (ref_grad,) = torch.autograd.grad(ref_loss, lp)
     assert torch.equal(grad, ref_grad)
     assert set(diag.summed()) == {
-        "approx_kl", "clip_fraction", "dual_clip_fraction", "is_capped_fraction", "is_weight"
+        "approx_kl", "clip_fraction", "dual_clip_fraction", "is_capped_fraction", "is_rejected_fraction",
+        "is_weight",
     }  # fmt: skip
     current, _ = policy_loss(lp, inputs, cfg, num_global)
     explicit, _ = policy_loss(lp, inputs, cfg, num_global, lp.detach())
@@ -293,3 +315,175 @@ def test_policy_loss_on_token_batch_equals_packed_policy_loss() -> None:
         policy_loss(lp, LossInputs(batch.mask[:-1], batch.old, batch.behaviour, token_adv), cfg, num_global)
     with pytest.raises(ValueError, match="num_global_action_tokens"):
         policy_loss(lp, inputs, cfg, int(batch.mask.sum()) - 1)
+
+
+def _two_trajectories(lp: list[float], behaviour: list[float] | None = None) -> dict:
+    """Trajectory 0: a prompt token, then 3 action tokens (A = 1); trajectory 1: a prompt token, then 1
+    action token (A = -2). Old log-probs 0; behaviour log-probs 0 unless given."""
+    return {
+        "logprobs": torch.tensor(lp, dtype=torch.float64, requires_grad=True),
+        "old": torch.zeros(6, dtype=torch.float64),
+        "behaviour": torch.tensor(behaviour or [0.0] * 6, dtype=torch.float64),
+        "advantages": torch.tensor([1.0, -2.0], dtype=torch.float64),
+        "cu_seqlens": torch.tensor([0, 4, 6]),
+        "mask": torch.tensor([0, 1, 1, 1, 0, 1], dtype=torch.bool),
+    }
+
+
+def _loss(b: dict, cfg: LossConfig, num_tokens: int = 4, num_seqs: int = 2) -> tuple:
+    args = (b["logprobs"], b["old"], b["behaviour"], b["advantages"], b["cu_seqlens"], b["mask"])
+    return packed_policy_loss(*args, num_tokens, cfg, num_seqs)
+
+
+@pytest.mark.parametrize(
+    ("agg", "tokens", "expected", "grads"),
+    [  # per-token losses at ratio 1: -1, -1, -1 (trajectory 0) and 2 (trajectory 1)
+        ("token_mean", 0, (-3 + 2) / 4, [-1 / 4, -1 / 4, -1 / 4, 2 / 4]),
+        ("seq_mean_token_mean", 0, (-3 / 3 + 2 / 1) / 2, [-1 / 6, -1 / 6, -1 / 6, 2 / 2]),
+        ("seq_mean_token_sum_norm", 5, (-3 / 5 + 2 / 5) / 2, [-1 / 10, -1 / 10, -1 / 10, 2 / 10]),
+    ],
+)
+def test_loss_aggregations_by_hand(agg: str, tokens: int, expected: float, grads: list[float]) -> None:
+    """token-mean (/ N), seq-mean-token-mean (/ (B L_i)), Dr. GRPO's constant (/ (B C)), and their gradients;
+    each trajectory alone, with the global counts, sums to the whole (micro-batches or ranks)."""
+    cfg = LossConfig(loss_agg=agg, loss_agg_tokens=tokens)
+    b = _two_trajectories([0.0] * 6)
+    loss, diag = _loss(b, cfg)
+    assert loss.item() == pytest.approx(expected)
+    (grad,) = torch.autograd.grad(loss, b["logprobs"])
+    assert grad[b["mask"]].tolist() == pytest.approx(grads)
+    assert diag.is_weight.item() == pytest.approx(1.0)  # diagnostics stay global token means
+    parts = 0.0
+    for lo, hi, traj in ((0, 4, 0), (4, 6, 1)):
+        part = {k: b[k][lo:hi] for k in ("logprobs", "old", "behaviour", "mask")}
+        part |= {"advantages": b["advantages"][traj : traj + 1], "cu_seqlens": torch.tensor([0, hi - lo])}
+        parts += _loss(part, cfg)[0].item()
+    assert parts == pytest.approx(expected)
+    if agg != "token_mean":  # a global trajectory count below this micro-batch's is a caller's bug
+        with pytest.raises(ValueError, match="num_global_sequences"):
+            _loss(b, cfg, num_seqs=1)
+
+
+def test_gspo_sequence_ratio_by_hand() -> None:
+    """GSPO: s_i = exp(mean log-ratio of trajectory i); -A_i min(s_i, clip(s_i)) per trajectory, averaged;
+    d loss / d logp_t = -A_i s_i / (B |y_i|) inside the clip, 0 outside."""
+    cfg = SEQ_CONFIGS["gspo"]
+    # trajectory 0: log-ratios 1e-4, 2e-4, 3e-4 -> s = e^2e-4, inside [1 - 3e-4, 1 + 4e-4];
+    # trajectory 1 (A < 0): log-ratio -1e-3 -> s = e^-1e-3 below 1 - 3e-4: clipped (pessimistic branch)
+    b = _two_trajectories([0.0, 1e-4, 2e-4, 3e-4, 0.0, -1e-3])
+    loss, diag = _loss(b, cfg)
+    s0 = math.exp(2e-4)
+    assert loss.item() == pytest.approx((-1.0 * s0 + 2.0 * (1 - 3e-4)) / 2, rel=1e-12)
+    (grad,) = torch.autograd.grad(loss, b["logprobs"])
+    assert grad[b["mask"]].tolist() == pytest.approx([-s0 / 6] * 3 + [0.0], rel=1e-12)
+    assert diag.clip_fraction.item() == pytest.approx(1 / 4)
+
+
+def test_sequence_level_weight_and_rejection_by_hand() -> None:
+    """is_level 'sequence': exp(mean over the trajectory's action tokens of old - behaviour) on each of its
+    tokens; rejection masks whole trajectories (sequence) or single tokens (token) outside the bounds."""
+    # old - behaviour: trajectory 0: 0, log 4, log 4 / 2 -> mean log 2 ... weight 2 on its three tokens;
+    # trajectory 1: log 0.25 -> weight 0.25, below is_reject_low = 0.5: rejected
+    behaviour = [0.0, 0.0, -math.log(4), -math.log(4) / 2, 0.0, math.log(4)]
+    lp = [0.0] * 6
+    mean_log = (math.log(4) + math.log(4) / 2) / 3
+    cfg = LossConfig(is_level="sequence", is_cap=None, is_reject_low=0.5, is_reject_high=3.0)
+    terms = ppo_token_terms(
+        *(_two_trajectories(lp, behaviour)[k] for k in ("logprobs", "old", "behaviour")),
+        torch.tensor([0, 1, 1, 1, 0, -2.0], dtype=torch.float64),
+        _two_trajectories(lp)["mask"],
+        cfg,
+        torch.tensor([0, 4, 6]),
+    )
+    assert terms.is_weight.tolist() == pytest.approx(
+        [0, math.exp(mean_log)] * 1 + [math.exp(mean_log)] * 2 + [0, 0]
+    )
+    assert terms.is_rejected.tolist() == [0, 0, 0, 0, 0, 1]
+    token = LossConfig(is_cap=None, is_reject_low=0.5, is_reject_high=3.0)
+    b = _two_trajectories(lp, behaviour)
+    tok = ppo_token_terms(b["logprobs"], b["old"], b["behaviour"], torch.ones(6), b["mask"], token)
+    # token weights 1, 4 (> 3: rejected), 2, and 0.25 (< 0.5: rejected)
+    assert tok.is_weight.tolist() == pytest.approx([0, 1, 0, 2, 0, 0])
+    assert tok.is_rejected.tolist() == [0, 0, 1, 0, 0, 1]
+    loss, diag = _loss(b, token)
+    assert diag.is_rejected_fraction.item() == pytest.approx(2 / 4)
+
+
+def test_sequence_settings_need_cu_seqlens() -> None:
+    b = _two_trajectories([0.0] * 6)
+    inputs = LossInputs(b["mask"], b["old"], b["behaviour"], torch.zeros(6, dtype=torch.float64))
+    for cfg in SEQ_CONFIGS.values():
+        if cfg.needs_sequences:
+            with pytest.raises(ValueError, match="cu_seqlens"):
+                policy_loss(b["logprobs"], inputs, cfg, 4, None, 2)
+
+
+def test_loss_config_contradictions() -> None:
+    with pytest.raises(ValueError, match="loss_agg_tokens"):
+        LossConfig(loss_agg="seq_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="loss_agg_tokens"):
+        LossConfig(loss_agg_tokens=8)
+    with pytest.raises(ValueError, match="set one"):
+        LossConfig(decoupled=True, is_reject_high=3.0)
+    with pytest.raises(ValueError, match="never acts"):
+        LossConfig(is_cap=3.0, is_reject_high=2.0)
+    with pytest.raises(ValueError, match="is_reject_low"):
+        LossConfig(is_reject_low=1.5)
+    with pytest.raises(ValueError, match="ratio_level"):
+        LossConfig(ratio_level="trajectory")
+
+
+def test_entropy_bonus_by_hand() -> None:
+    """loss = sum_t w_t (loss_t - c H_t): token-mean weights 1/4 here; d loss / d H_t = -c w_t."""
+    b = _two_trajectories([0.0] * 6)
+    entropy = torch.tensor([9.0, 1.0, 2.0, 3.0, 9.0, 4.0], dtype=torch.float64, requires_grad=True)
+    inputs = SequenceBatch(
+        b["mask"], b["behaviour"], torch.tensor([0, 1, 1, 1, 0, -2.0], dtype=torch.float64), b["cu_seqlens"]
+    )
+    cfg = LossConfig(entropy_coef=0.1)
+    loss, diag = policy_loss(b["logprobs"], inputs, cfg, 4, None, 2, entropy)
+    assert loss.item() == pytest.approx((-3 + 2) / 4 - 0.1 * (1 + 2 + 3 + 4) / 4)
+    assert diag.entropy.item() == pytest.approx(10 / 4)
+    (grad,) = torch.autograd.grad(loss, entropy)
+    assert grad.tolist() == pytest.approx([0, -0.025, -0.025, -0.025, 0, -0.025])
+    with pytest.raises(ValueError, match="entropy"):
+        policy_loss(b["logprobs"], inputs, cfg, 4, None, 2)
+
+
+def test_kl_estimators_and_the_kl_term_by_hand() -> None:
+    """k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r with log r = ref - logp; kl_in 'loss' adds
+    kl_coef x the estimate (aggregated as the loss); 'reward' subtracts kl_coef x the proximal policy's
+    estimate summed from each token to its trajectory's end from that token's advantage."""
+    lp = [0.0, -0.5, 0.0, 0.2, 0.0, 0.0]
+    b = _two_trajectories(lp, lp)  # behaviour = proximal = current: every ratio and weight is 1
+    ref = torch.tensor([0.0, -1.0, 0.0, 0.0, 0.0, -0.3], dtype=torch.float64)
+    log_r = torch.tensor([0.0, -0.5, 0.0, -0.2, 0.0, -0.3], dtype=torch.float64)
+    expected = {
+        "k1": -log_r,
+        "k2": 0.5 * log_r**2,
+        "k3": torch.exp(log_r) - 1 - log_r,
+    }
+    for name, want in expected.items():
+        torch.testing.assert_close(kl_estimate(b["logprobs"], ref, b["mask"], name), want)
+    assert kl_estimate(ref, ref, b["mask"], "k3").abs().max() == 0  # the policy is the reference: KL = 0
+    torch.testing.assert_close(
+        reward_to_go(torch.arange(6.0), b["mask"], b["cu_seqlens"]),
+        torch.tensor([6.0, 6.0, 5.0, 3.0, 5.0, 5.0]),
+    )
+    inputs = SequenceBatch(
+        b["mask"], b["behaviour"], torch.tensor([0, 1, 1, 1, 0, -2.0], dtype=torch.float64), b["cu_seqlens"]
+    )
+    base, _ = policy_loss(b["logprobs"], inputs, LossConfig(), 4, None, None, None, ref)
+    in_loss, diag = policy_loss(b["logprobs"], inputs, LossConfig(kl_coef=0.5), 4, None, None, None, ref)
+    k3 = expected["k3"][b["mask"]]
+    assert float((in_loss - base).detach()) == pytest.approx(0.5 * float(k3.sum()) / 4)
+    assert float(diag.kl) == pytest.approx(float(k3.sum()) / 4)
+    # 'reward': proximal = current here, so token t's advantage loses 0.5 x k3 summed to its trajectory's end
+    cfg = LossConfig(kl_coef=0.5, kl_in="reward", dual_clip_c=None)
+    in_reward, _ = policy_loss(b["logprobs"], inputs, cfg, 4, None, None, None, ref)
+    k = expected["k3"]
+    to_go = torch.tensor([k[1] + k[2] + k[3], k[2] + k[3], k[3], k[5]])
+    adv = torch.tensor([1.0, 1.0, 1.0, -2.0], dtype=torch.float64) - 0.5 * to_go
+    assert float(in_reward.detach()) == pytest.approx(float(-adv.sum() / 4))
+    with pytest.raises(ValueError, match="reference"):
+        policy_loss(b["logprobs"], inputs, LossConfig(kl_coef=0.5), 4)

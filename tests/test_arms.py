@@ -44,12 +44,47 @@ def build_config(algo: dict, batch_size: int = 4) -> Config:
         ("spo", ("arrival", "trajectory", "tracker", 0, "")),
         ("grpo", ("event_time", "", "group", 4, "grpo")),
         ("dr_grpo", ("event_time", "", "group", 4, "dr_grpo")),
+        ("rloo", ("event_time", "", "group", 4, "rloo")),
+        ("reinforce++", ("event_time", "", "batch", 0, "")),
+        ("gspo", ("event_time", "", "group", 4, "grpo")),
         ("custom", ("event_time", "action_token", "tracker", 0, "")),
     ],
 )
 def test_presets_fill_their_fields(name, fields):
     algo = build_config({"name": name}).algo
     assert (algo.tracker, algo.normalization, algo.estimator, algo.group_size, algo.group_advantage) == fields
+
+
+@pytest.mark.parametrize(
+    ("name", "loss"),
+    [
+        ("spo++", ("token_mean", 0, "token", 0.2, 0.28)),
+        ("dr_grpo", ("seq_mean_token_sum_norm", 1024, "token", 0.2, 0.28)),
+        ("rloo", ("token_mean", 0, "token", 0.2, 0.28)),
+        ("reinforce++", ("token_mean", 0, "token", 0.2, 0.28)),
+        ("gspo", ("seq_mean_token_mean", 0, "sequence", 3e-4, 4e-4)),
+    ],
+)
+def test_presets_fill_their_loss(name, loss):
+    """Dr. GRPO's constant defaults to rollout.max_model_len (1024 by default); GSPO's clip range is overridable."""
+    algo = build_config({"name": name}).algo
+    assert (algo.loss_agg, algo.loss_agg_tokens, algo.ratio_level, algo.clip_low, algo.clip_high) == loss
+    assert build_config({"name": "gspo", "clip_high": 1e-3}).algo.clip_high == 1e-3
+    assert build_config({"name": "dr_grpo", "loss_agg_tokens": 64}).algo.loss_agg_tokens == 64
+
+
+def test_loss_config_from_the_algo_section():
+    from rollart_hpc.algo.loss import loss_config
+
+    algo = build_config({"name": "custom", "dual_clip_c": 0, "is_cap": 3.0, "is_reject_high": 4.0}).algo
+    cfg = loss_config(algo)
+    assert (cfg.dual_clip_c, cfg.is_cap, cfg.is_reject_low, cfg.is_reject_high) == (None, 3.0, None, 4.0)
+    algo = build_config({"kl_coef": 0.01}).algo
+    assert (algo.kl_estimator, algo.kl_in) == ("k3", "loss")  # the resolved file states them
+    kl = loss_config(algo)
+    assert (kl.kl_coef, kl.kl_estimator, kl.kl_in) == (0.01, "k3", "loss")
+    gspo = loss_config(build_config({"name": "gspo"}).algo)
+    assert (gspo.ratio_level, gspo.loss_agg, gspo.clip_low) == ("sequence", "seq_mean_token_mean", 3e-4)
 
 
 def test_default_is_spo_plus_plus_and_fields_agreeing_with_the_preset_are_accepted():
@@ -67,7 +102,7 @@ def test_custom_combines_arms():
 
 def test_resolved_algo_round_trips():
     """The resolved file holds the filled fields; reading it back gives the same arm."""
-    for name in ("spo++", "spo", "grpo", "dr_grpo"):
+    for name in ("spo++", "spo", "grpo", "dr_grpo", "rloo", "reinforce++", "gspo"):
         algo = build_config({"name": name}).algo
         assert build(AlgoConfig, to_dict(algo), "algo") == algo
 
@@ -98,6 +133,22 @@ def test_legacy_advantage_maps_onto_normalization():
         ({"name": "spo", "arrival_rho_min": 0.99}, 4, "arrival_rho_min <= arrival_rho_max"),
         ({"name": "ppo"}, 4, "algo.name: 'ppo' is not one of"),
         ({"tracker": "receipt"}, 4, "algo.tracker: 'receipt' is not one of"),
+        ({"name": "gspo", "ratio_level": "token"}, 4, "algo.ratio_level: 'token' conflicts with algo.name"),
+        ({"name": "dr_grpo", "loss_agg": "token_mean"}, 4, "algo.loss_agg: 'token_mean' conflicts"),
+        ({"name": "reinforce++", "normalization": "trajectory"}, 4, "algo.normalization: has no effect"),
+        ({"loss_agg_tokens": 100}, 4, "algo.loss_agg_tokens: only loss_agg"),
+        ({"dual_clip_c": 0.5}, 4, "algo.dual_clip_c: must be > 1"),
+        ({"is_cap": 0, "decoupled": True}, 4, "algo.decoupled: drops tokens"),
+        ({"decoupled": True, "is_reject_high": 3.0}, 4, "algo.is_reject_high: algo.decoupled already"),
+        ({"is_cap": 3.0, "is_reject_high": 2.0}, 4, "algo.is_cap: 3.0 >= algo.is_reject_high"),
+        ({"is_reject_low": 1.2}, 4, "algo.is_reject_low: must lie in (0, 1)"),
+        ({"is_reject_high": 0.9}, 4, "algo.is_reject_high: must be > 1"),
+        ({"clip_low": 1.5}, 4, "algo.clip_low, algo.clip_high"),
+        ({"entropy_coef": -0.1}, 4, "algo.entropy_coef: must be >= 0"),
+        ({"is_level": "trajectory"}, 4, "algo.is_level: 'trajectory' is not one of"),
+        ({"kl_estimator": "k2"}, 4, "algo.kl_estimator: has no effect with algo.kl_coef = 0"),
+        ({"kl_in": "reward"}, 4, "algo.kl_in: has no effect with algo.kl_coef = 0"),
+        ({"kl_coef": -1.0}, 4, "algo.kl_coef: must be >= 0"),
     ],
 )
 def test_bad_combinations_are_one_line_usage_errors(algo, batch, needle):

@@ -143,7 +143,7 @@ def test_parity_with_float64(impl: str, dtype: torch.dtype, case: tuple) -> None
 def test_triton_equals_packed_policy_loss(cfg: LossConfig) -> None:
     """Loss, gradient and every diagnostic of the kernel equal the training reference on the same inputs."""
     p = _problem(7, 48, 16, 90, torch.float32)
-    loss, logp, grad_h, _, diag = _fused(p, "triton", cfg.to_kernel())
+    loss, logp, grad_h, _, diag = _fused(p, "triton", cfg)
     hidden = p["hidden"].double().requires_grad_(True)
     ref_logp = (
         torch.log_softmax(hidden @ p["weight"].double().T, 1).gather(1, p["targets"][:, None]).squeeze(1)
@@ -279,3 +279,112 @@ def test_policy_loss_entry_point_selects_the_fused_path(impl: str) -> None:
     current, diag_now = policy_loss(source, batch, cfg, p["denom"])
     assert float(diag_now.clip_fraction) == 0.0 and abs(float(diag_now.approx_kl)) < 1e-6
     assert torch.isfinite(current)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LossConfig(loss_agg="seq_mean_token_mean", decoupled=True),
+        LossConfig(loss_agg="seq_mean_token_sum_norm", loss_agg_tokens=20, dual_clip_c=None, is_cap=None),
+        LossConfig(clip_low=3e-4, clip_high=4e-4, ratio_level="sequence", loss_agg="seq_mean_token_mean"),
+        LossConfig(is_level="sequence", is_cap=1.5, is_reject_low=0.5, is_reject_high=2.5),
+        LossConfig(is_cap=None, is_reject_low=0.7, is_reject_high=1.6),
+    ],
+    ids=["seq_mean_decoupled", "dr_grpo_sum_norm", "gspo", "seq_is_reject", "token_reject"],
+)
+def test_fused_path_equals_eager_for_every_loss_switch(cfg: LossConfig) -> None:
+    """`policy_loss` on LMHeadInputs (fused head; sequence-level terms in torch on its log-probs) has the
+    loss and hidden-state / weight gradients of the full-logits float64 path, for each new setting."""
+    from rollart_hpc.algo.loss import LMHeadInputs, SequenceBatch, policy_loss
+
+    p = _problem(31, 40, 16, 70, torch.float32)
+    batch = SequenceBatch(p["mask"], p["behaviour"], p["adv"], p["cu_seqlens"])
+    hidden = p["hidden"].clone().requires_grad_(True)
+    weight = p["weight"].clone().requires_grad_(True)
+    source = LMHeadInputs(hidden, weight, p["targets"], impl="triton", tuning=SMALL_TILES)
+    loss, diag = policy_loss(source, batch, cfg, p["denom"], p["old"], 6)
+    loss.backward()
+    h64 = p["hidden"].double().requires_grad_(True)
+    w64 = p["weight"].double().requires_grad_(True)
+    logp = torch.log_softmax(h64 @ w64.T, 1).gather(1, p["targets"][:, None]).squeeze(1)
+    ref_loss, ref = policy_loss(logp, batch, cfg, p["denom"], p["old"].double(), 6)
+    ref_loss.backward()
+    assert _rel_err(loss, ref_loss) <= 1e-5
+    assert _rel_err(hidden.grad, h64.grad) <= 1e-4 and _rel_err(weight.grad, w64.grad) <= 1e-4
+    assert float(h64.grad.abs().sum()) > 0
+    torch.testing.assert_close(diag.is_rejected_fraction.double(), ref.is_rejected_fraction.double())
+    if not cfg.in_kernel or cfg.loss_agg != "token_mean":  # the kernels' own entry refuses, never ignores
+        with pytest.raises(ValueError, match="token_loss|policy_loss"):
+            inputs = LossInputs(p["mask"], p["old"], p["behaviour"], p["adv"])
+            fused_policy_loss(p["hidden"], p["weight"], p["targets"], *inputs, p["denom"], cfg)
+
+
+def test_head_entropy_and_its_gradient_sharded_and_padded() -> None:
+    """`head_entropy` on a vocabulary split into two shards (the last rows padding), combined by an
+    in-process reduce, equals the float64 softmax entropy of the real columns, values and gradients."""
+    from rollart_hpc.kernels import head_entropy
+
+    p = _problem(37, 21, 16, 50, torch.float64)
+    upstream = torch.randn(21, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    real = 44  # rows 44..49 are padding
+    h64, w64 = p["hidden"].clone().requires_grad_(True), p["weight"].clone().requires_grad_(True)
+    logits = (h64 @ w64.T)[:, :real]
+    expected = -(torch.softmax(logits, 1) * torch.log_softmax(logits, 1)).sum(1)
+    (expected * upstream).sum().backward()
+    hidden, weight = p["hidden"].clone().requires_grad_(True), p["weight"].clone().requires_grad_(True)
+    shards = weight[:25], weight[25:]
+    # An in-process stand-in for the group's all-reduce: it hands each shard what the group agrees on
+    # (max, sum of exp, sum of p x over the whole real vocabulary), computed here from the whole head.
+    with torch.no_grad():
+        full = (p["hidden"] @ p["weight"].T)[:, :real]
+        top = full.amax(1)
+        total = torch.exp(full - top[:, None]).sum(1)
+        dot = (torch.exp(full - top[:, None]) * (full - top[:, None])).sum(1)
+    calls = iter([top, total, dot] * 2)
+
+    def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+        t.copy_(next(calls))
+        return t
+
+    parts = [
+        head_entropy(hidden, shards[0], 25, reduce, 8),
+        head_entropy(hidden, shards[1], real - 25, reduce, 8),
+    ]
+    torch.testing.assert_close(parts[0], expected.detach(), rtol=1e-10, atol=1e-12)
+    (parts[0] * upstream).sum().backward(retain_graph=True)
+    (parts[1] * upstream).sum().backward()  # each shard's hidden gradient is its part: they add up
+    torch.testing.assert_close(hidden.grad, h64.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(weight.grad, w64.grad, rtol=1e-9, atol=1e-12)
+    assert float(weight.grad[real:].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_entropy_bonus_fused_equals_eager(impl: str) -> None:
+    """entropy_coef > 0: `policy_loss` on LMHeadInputs subtracts coef x the entropy (aggregated as the
+    loss) with the gradients of the full-logits float64 path; the entropy diagnostic is the token mean."""
+    from rollart_hpc.algo.loss import LMHeadInputs, SequenceBatch, policy_loss
+
+    p = _problem(41, 40, 16, 70, torch.float32)
+    batch = SequenceBatch(p["mask"], p["behaviour"], p["adv"], p["cu_seqlens"])
+    cfg = LossConfig(entropy_coef=0.3, loss_agg="seq_mean_token_mean")
+    hidden = p["hidden"].clone().requires_grad_(True)
+    weight = p["weight"].clone().requires_grad_(True)
+    tuning = SMALL_TILES if impl == "triton" else None
+    source = LMHeadInputs(hidden, weight, p["targets"], impl=impl, tuning=tuning)
+    loss, diag = policy_loss(source, batch, cfg, p["denom"], p["old"], 6)
+    loss.backward()
+    h64 = p["hidden"].double().requires_grad_(True)
+    w64 = p["weight"].double().requires_grad_(True)
+    logits = h64 @ w64.T
+    logp = torch.log_softmax(logits, 1).gather(1, p["targets"][:, None]).squeeze(1)
+    entropy = -(torch.softmax(logits, 1) * torch.log_softmax(logits, 1)).sum(1)
+    ref_loss, ref = policy_loss(logp, batch, cfg, p["denom"], p["old"].double(), 6, entropy)
+    ref_loss.backward()
+    no_bonus, _ = policy_loss(
+        logp, batch, LossConfig(loss_agg="seq_mean_token_mean"), p["denom"], p["old"].double(), 6
+    )
+    assert abs(float((ref_loss - no_bonus).detach())) > 1e-3  # the bonus changes the loss
+    assert _rel_err(loss, ref_loss) <= 1e-5
+    assert _rel_err(hidden.grad, h64.grad) <= 1e-4 and _rel_err(weight.grad, w64.grad) <= 1e-4
+    expected = entropy.detach()[p["mask"]].sum() / p["denom"]
+    torch.testing.assert_close(diag.entropy.double(), expected, rtol=1e-5, atol=0)

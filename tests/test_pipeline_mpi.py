@@ -258,3 +258,24 @@ def test_eval_rounds_in_run_and_standalone_eval_of_a_checkpoint(tmp_path):
     assert out["version"] == out["row"]["version"] == 1 and out["row"]["eval_episodes"] == 2 * (12 + 32)
     assert {out["row"]["eval_token_version_min"], out["row"]["eval_token_version_max"]} == {1}
     assert not (run_dir / "eval-step-000002.json").exists()
+
+
+def test_gspo_arm_with_kl_and_entropy_logs_both_per_step(tmp_path):
+    """A new arm end to end: GSPO's sequence ratio, a KL to the warm start and an entropy bonus; every RL
+    step logs kl (0 while the policy is still the reference) and the action-token entropy."""
+    run_dir = run(
+        tmp_path,
+        "gspo",
+        "algo.name=gspo",
+        "algo.kl_coef=0.01",
+        "algo.kl_estimator=k3",
+        "algo.entropy_coef=0.001",
+        "controller.mode=sync",
+        "controller.num_steps=2",
+    )
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "num_updates" in r]
+    assert [r["step"] for r in steps] == [0, 1]
+    assert steps[0]["kl"] == 0.0 and steps[1]["kl"] >= 0.0
+    assert all(0.0 < r["entropy"] < 6.0 for r in steps)  # below log(400), the tiny vocabulary
+    assert all("is_rejected_fraction" in r for r in steps)

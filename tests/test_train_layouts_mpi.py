@@ -75,6 +75,10 @@ def _assert_same_step(got: dict, ref: dict, step: int) -> None:
     assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
     assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
     assert g["is_weight"] == pytest.approx(r["is_weight"], rel=1e-5)
+    assert g["entropy"] == pytest.approx(r["entropy"], rel=1e-5)
+    assert ("kl" in g) == ("kl" in r)
+    # k1 is a mean of log-prob differences of ~1e-3: float32 noise of the log-probs (~1e-7) bounds it
+    assert g.get("kl", 0.0) == pytest.approx(r.get("kl", 0.0), rel=1e-5, abs=1e-7)
     assert set(got["weights"][step]) == set(ref["weights"][step])
     for name, w in ref["weights"][step].items():
         diff = got["weights"][step][name] - w
@@ -87,10 +91,12 @@ def _assert_same_step(got: dict, ref: dict, step: int) -> None:
 def test_tensor_pipeline_and_data_parallel_steps_match_one_rank(model_dir: Path, tmp_path: Path) -> None:
     """Two RL steps at TP2, PP2, TP2xDP2 (sequence parallel) and PP2xDP2 with uneven micro-batches (48
     padded tokens) give the losses, gradient norms and HF weights of one rank taking each batch as a
-    single micro-batch: the global action-token denominator holds across micro-batches, stages and DP."""
+    single micro-batch: the global action-token denominator holds across micro-batches, stages and DP, and
+    so do the second step's global trajectory count, sequence-level ratio, entropy bonus and KL term."""
     from rollart_hpc.models.checkpoint import load_weights
 
     ref = _run(model_dir, tmp_path / "ref", 1, 1, 1, mbt=4096)
+    assert "kl" not in ref["metrics"][0] and ref["metrics"][1]["kl"] != 0.0  # the second step's KL term
     initial = load_weights(model_dir)
     assert not torch.equal(ref["weights"][0]["model.norm.weight"], initial["model.norm.weight"])
     for tp, pp, dp, sp in ((2, 1, 1, False), (1, 2, 1, False), (2, 1, 2, True), (1, 2, 2, False)):

@@ -53,10 +53,17 @@ def _worker(model_dir: str, out: str, store: str, load_from: str) -> None:
     behaviour = torch.where(shard.action_mask, trainer.logprobs(shard) - 0.05, 0.0)
     shard = PackedBatch(shard.tokens, shard.cu_seqlens, shard.action_mask, behaviour, shard.advantages)
     rl = trainer.rl_step(shard, batch.num_action_tokens, LossConfig())
+    # per-trajectory aggregation: its denominator is the global trajectory count (all-reduced over DP)
+    seq_cfg = LossConfig(loss_agg="seq_mean_token_mean", ratio_level="sequence", is_level="sequence")
+    rl_seq = trainer.rl_step(shard, batch.num_action_tokens, seq_cfg)
     lone = split_across_ranks(select(batch, [2]), world)[rank]  # rank 1 of 2 gets no sequence
     trainer.sft_step(lone)
     trainer.save_checkpoint(Path(out) / f"ckpt-dp{world}")
-    result = {"weights": trainer.hf_state_dict(), "grad": trainer.grad_buffer.clone(), "metrics": [sft, rl]}
+    result = {
+        "weights": trainer.hf_state_dict(),
+        "grad": trainer.grad_buffer.clone(),
+        "metrics": [sft, rl, rl_seq],
+    }
     if load_from:
         fresh = Trainer(model_dir, cfg)
         fresh.load_checkpoint(load_from)
@@ -89,11 +96,13 @@ def test_two_data_parallel_ranks_match_one(tmp_path: Path) -> None:
     )  # fmt: skip
     dp2 = _run(2, model_dir, tmp_path)
     dp1 = _run(1, model_dir, tmp_path, load_from=str(tmp_path / "ckpt-dp2"))
-    (sft2, rl2), (sft1, rl1) = dp2["metrics"], dp1["metrics"]
+    (sft2, rl2, seq2), (sft1, rl1, seq1) = dp2["metrics"], dp1["metrics"]
     assert sft2["num_action_tokens"] == sft1["num_action_tokens"] and sft2["num_tokens"] == sft1["num_tokens"]
     assert sft2["loss"] == pytest.approx(sft1["loss"], rel=1e-6)
     assert rl2["loss"] == pytest.approx(rl1["loss"], rel=1e-5)
     assert rl2["grad_norm"] == pytest.approx(rl1["grad_norm"], rel=1e-5)
+    assert seq2["loss"] == pytest.approx(seq1["loss"], rel=1e-5)
+    assert seq2["grad_norm"] == pytest.approx(seq1["grad_norm"], rel=1e-5)
     # Two ranks sum their gradients in another order than one rank does; under load the BLAS may also split
     # its sums differently: float32 noise of up to ~1e-6 on single elements, not a different gradient.
     torch.testing.assert_close(dp2["grad"], dp1["grad"], rtol=1e-5, atol=2e-6)

@@ -100,6 +100,43 @@ def test_logprobs_match_transformers(model_dir: Path) -> None:
         assert float((ours[lo + 1 : hi] - ref).abs().max()) < 1e-5
 
 
+def test_rl_step_logs_the_action_token_entropy_of_transformers_logits(model_dir: Path) -> None:
+    """metrics["entropy"]: the mean over the step's action tokens of the softmax entropy (padded vocabulary
+    rows masked), whatever the micro-batch split."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = _trainer(model_dir, micro_batch_tokens=30)
+    batch = _batch(trainer.config.vocab_size, [17, 9, 23], [1.0, -1.0, 0.5])
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    entropies = []
+    for i in range(batch.num_sequences):
+        lo, hi = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
+        with torch.no_grad():
+            logits = hf(batch.tokens[lo:hi][None]).logits[0, :-1]
+        h = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+        entropies.append(h[batch.action_mask[lo + 1 : hi]])
+    expected = float(torch.cat(entropies).mean())
+    metrics = trainer.rl_step(
+        _with_behaviour(batch, trainer.logprobs(batch)), batch.num_action_tokens, LossConfig()
+    )
+    assert metrics["entropy"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_kl_to_the_reference_is_zero_while_the_policy_equals_it(model_dir: Path) -> None:
+    """A reference loaded from the policy's own weights: kl = 0 and the k3 term leaves the gradient as it
+    is (its gradient vanishes at r = 1); after one update the policy moves away and kl > 0."""
+    plain, with_kl = _trainer(model_dir, micro_batch_tokens=30), _trainer(model_dir, micro_batch_tokens=30)
+    with_kl.load_reference(model_dir)
+    batch = _batch(plain.config.vocab_size, [20, 26, 14], [1.0, -0.5, 0.3], seed=3)
+    batch = _with_behaviour(batch, plain.logprobs(batch))
+    m0 = plain.rl_step(batch, batch.num_action_tokens, LossConfig())
+    m1 = with_kl.rl_step(batch, batch.num_action_tokens, LossConfig(kl_coef=0.1, kl_estimator="k3"))
+    assert m1["kl"] == 0.0 and "kl" not in m0
+    torch.testing.assert_close(with_kl.grad_buffer, plain.grad_buffer, rtol=1e-6, atol=1e-9)
+    m2 = with_kl.rl_step(batch, batch.num_action_tokens, LossConfig(kl_coef=0.1, kl_estimator="k3"))
+    assert m2["kl"] > 0.0
+
+
 def test_sft_steps_reduce_the_loss(model_dir: Path) -> None:
     trainer = _trainer(model_dir)
     batch = _batch(trainer.config.vocab_size, [24, 16, 30], [0.0, 0.0, 0.0])
@@ -163,20 +200,37 @@ def test_more_minibatches_than_sequences_skip_the_empty_ones(model_dir: Path) ->
     assert trainer.rl_step(batch, batch.num_action_tokens, LossConfig())["num_updates"] == 2
 
 
-def test_gradients_do_not_depend_on_the_micro_batch_split(model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LossConfig(),
+        LossConfig(loss_agg="seq_mean_token_mean", ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
+        LossConfig(loss_agg="seq_mean_token_sum_norm", loss_agg_tokens=32, is_level="sequence"),
+    ],
+    ids=["token_mean", "gspo", "dr_grpo"],
+)
+def test_gradients_do_not_depend_on_the_micro_batch_split(model_dir: Path, cfg: LossConfig) -> None:
     whole, split = _trainer(model_dir, micro_batch_tokens=4096), _trainer(model_dir, micro_batch_tokens=30)
     batch = _batch(whole.config.vocab_size, [20, 26, 14, 9, 11], [1.0, -0.5, 0.3, 2.0, -1.0], seed=5)
     batch = _with_behaviour(batch, whole.logprobs(batch) - 0.1)
     assert len(micro_batch_groups(batch, 30)) >= 3
-    m1 = whole.rl_step(batch, batch.num_action_tokens, LossConfig())
-    m2 = split.rl_step(batch, batch.num_action_tokens, LossConfig())
+    m1 = whole.rl_step(batch, batch.num_action_tokens, cfg)
+    m2 = split.rl_step(batch, batch.num_action_tokens, cfg)
     assert float(whole.grad_buffer.abs().max()) > 0
     torch.testing.assert_close(split.grad_buffer, whole.grad_buffer, rtol=1e-5, atol=1e-7)
     assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5)
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
 
 
-def test_rl_step_reports_the_algorithm_library_loss_and_diagnostics(model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LossConfig(clip_high=0.3, is_cap=1.5),
+        LossConfig(loss_agg="seq_mean_token_mean", is_cap=None, is_reject_low=0.5, is_reject_high=1.5),
+    ],
+    ids=["token_mean", "seq_mean_reject"],
+)
+def test_rl_step_reports_the_algorithm_library_loss_and_diagnostics(model_dir: Path, cfg: LossConfig) -> None:
     """The trainer's micro-batched step reports what `algo.loss.packed_policy_loss` gives on the same
     log-probs (proximal = current), behaviour log-probs, per-trajectory advantages and denominator."""
     trainer = _trainer(model_dir, micro_batch_tokens=30)
@@ -187,7 +241,6 @@ def test_rl_step_reports_the_algorithm_library_loss_and_diagnostics(model_dir: P
     batch = _with_behaviour(batch, logprobs + shift)
     assert len(micro_batch_groups(batch, 30)) >= 3
     num_global = batch.num_action_tokens + 3
-    cfg = LossConfig(clip_high=0.3, is_cap=1.5)
     metrics = trainer.rl_step(batch, num_global, cfg)
     loss, ref = packed_policy_loss(
         logprobs,
@@ -198,9 +251,10 @@ def test_rl_step_reports_the_algorithm_library_loss_and_diagnostics(model_dir: P
         batch.action_mask,
         num_global,
         cfg,
+        batch.num_sequences,
     )
     assert metrics["loss"] == pytest.approx(float(loss), rel=1e-5)
-    assert float(ref.is_capped_fraction) > 0 and float(ref.is_weight) > 0
+    assert float(ref.is_capped_fraction + ref.is_rejected_fraction) > 0 and float(ref.is_weight) > 0
     for name, value in ref.summed().items():
         assert metrics[name] == pytest.approx(float(value), rel=1e-5, abs=1e-7), name
     assert set(metrics) == {
@@ -212,6 +266,7 @@ def test_rl_step_reports_the_algorithm_library_loss_and_diagnostics(model_dir: P
         "step",
         "num_updates",
         "max_abs_behaviour_log_ratio",
+        "entropy",
     }
     gap = float(shift[batch.action_mask].abs().max())
     assert metrics["max_abs_behaviour_log_ratio"] == pytest.approx(gap, rel=1e-5)
@@ -317,13 +372,29 @@ def test_reset_optimizer_makes_the_next_step_a_fresh_adamw_step(model_dir: Path)
     assert not all(torch.allclose(a, b) for a, b in zip(rl_update(kept), expected, strict=True))
 
 
-def test_fused_loss_equals_eager_on_packed_batches_with_observation_tokens(model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LossConfig(),
+        LossConfig(
+            entropy_coef=0.05, loss_agg="seq_mean_token_mean", ratio_level="sequence", is_level="sequence"
+        ),
+        LossConfig(kl_coef=0.1, kl_estimator="k1"),  # k1's gradient does not vanish at the reference
+    ],
+    ids=["default", "entropy_gspo", "kl_k1"],
+)
+def test_fused_loss_equals_eager_on_packed_batches_with_observation_tokens(
+    model_dir: Path, cfg: LossConfig
+) -> None:
     """loss_impl "fused" (log-probs from hidden states and the LM head, padding columns masked) gives the
     loss, diagnostics and unclipped gradients of "eager" (the model's full-logit cross-entropy)."""
 
     def trainer(impl: str) -> Trainer:
         optim = OptimConfig(lr=1e-3, grad_clip=0.0)
-        return Trainer(model_dir, TrainerConfig(optim=optim, micro_batch_tokens=40, loss_impl=impl))
+        out = Trainer(model_dir, TrainerConfig(optim=optim, micro_batch_tokens=40, loss_impl=impl))
+        if cfg.kl_coef:
+            out.load_reference(model_dir)
+        return out
 
     fused, eager = trainer("fused"), trainer("eager")
     batch = _batch(fused.config.vocab_size, [20, 26, 14, 9, 11], [1.0, -0.5, 0.3, 2.0, -1.0], seed=5)
@@ -336,9 +407,16 @@ def test_fused_loss_equals_eager_on_packed_batches_with_observation_tokens(model
     torch.testing.assert_close(lp_fused, lp_eager, rtol=1e-5, atol=1e-5)
     batch = _with_behaviour(batch, lp_eager - 0.2)
     assert len(micro_batch_groups(batch, 40)) >= 3
-    m_fused = fused.rl_step(batch, batch.num_action_tokens, LossConfig())
-    m_eager = eager.rl_step(batch, batch.num_action_tokens, LossConfig())
-    for name in ("loss", "grad_norm", "is_weight", "is_capped_fraction"):
+    m_fused = fused.rl_step(batch, batch.num_action_tokens, cfg)
+    m_eager = eager.rl_step(batch, batch.num_action_tokens, cfg)
+    for name in (
+        "loss",
+        "grad_norm",
+        "is_weight",
+        "is_capped_fraction",
+        "entropy",
+        *(("kl",) if cfg.kl_coef else ()),
+    ):
         assert m_fused[name] == pytest.approx(m_eager[name], rel=1e-5, abs=1e-8), name
     g_fused, g_eager = fused.grad_buffer, eager.grad_buffer
     assert float(g_eager.abs().max()) > 0

@@ -1,4 +1,5 @@
-"""Trajectory-level advantage estimators: SPO++ token measure, SPO whitening, GRPO, Dr. GRPO.
+"""Trajectory-level advantage estimators: SPO++ token measure, SPO whitening, GRPO, Dr. GRPO, RLOO,
+REINFORCE++.
 
 Every function takes 1-D per-trajectory arrays (numpy arrays or torch tensors, one value per trajectory)
 and returns the same type (and device), in the input's floating dtype (float64 for integer input); the
@@ -11,12 +12,17 @@ stays torch-free.
 - `trajectory_whitened_advantages` (SPO Eq. 4): (A - mean) / (std_{n-1} + 1e-8); its token-weighted mean
   is Cov_n(L, A_tilde) / L_bar (Eq. 5), which `advantage_diagnostics` reports.
 - `grpo_advantages`: (R - mean_G) / (std_G + 1e-6) within each group (unbiased std; a group of one gets
-  mean 0 and std 1, as verl does). `dr_grpo_advantages`: R - mean_G (Dr. GRPO drops the std; its
-  constant token-sum denominator is the loss's `num_global_action_tokens`, set by the caller).
+  mean 0 and std 1, as verl does). `dr_grpo_advantages`: R - mean_G (Dr. GRPO drops the std; its other
+  half, the constant denominator batch size x max response length, is the loss's aggregation
+  `seq_mean_token_sum_norm`, see `rollart_hpc.kernels.token_loss.aggregation_weights`).
+- `rloo_advantages` (RLOO): R_i - mean_{j != i} R_j = G / (G - 1) (R_i - mean_G) within each group of G.
+- `batch_whitened_advantages` (REINFORCE++): (R - mean) / (unbiased std + 1e-8) over the batch's
+  trajectories: no critic, no group (`trajectory_whitened_advantages` of the rewards).
 
 `ADVANTAGE_ESTIMATORS` maps config names to estimators over `AdvantageInputs`:
-"token" (SPO++; alias "spo++"), "trajectory" (SPO; alias "spo"), "grpo", "dr_grpo".
-SPO and SPO++ use the frozen dispatch baselines, A_i = R_i - v_hat_i; GRPO variants use group ids.
+"token" (SPO++; alias "spo++"), "trajectory" (SPO; alias "spo"), "grpo", "dr_grpo", "rloo",
+"reinforce++". SPO and SPO++ use the frozen dispatch baselines, A_i = R_i - v_hat_i; group variants use
+group ids; REINFORCE++ reads the rewards only.
 """
 
 from __future__ import annotations
@@ -97,7 +103,9 @@ def _group_index(group_ids: Sequence[Hashable]) -> np.ndarray:
     return np.array([first_seen.setdefault(g, len(first_seen)) for g in group_ids], dtype=np.int64)
 
 
-def _group_centred(rewards: Any, group_ids: Sequence[Hashable], scale_by_std: bool) -> Any:
+def _group_centred(
+    rewards: Any, group_ids: Sequence[Hashable], scale_by_std: bool, leave_one_out: bool = False
+) -> Any:
     r = _float64(rewards, rewards)
     _check_1d("rewards", r)
     if len(group_ids) != r.shape[0]:
@@ -109,6 +117,8 @@ def _group_centred(rewards: Any, group_ids: Sequence[Hashable], scale_by_std: bo
         members = r_np[index == g]
         mean, std = (members.mean(), members.std(ddof=1)) if len(members) > 1 else (0.0, 1.0)
         centred = members - mean
+        if leave_one_out and len(members) > 1:  # R_i - mean of the others = G / (G - 1) (R_i - mean_G)
+            centred = centred * len(members) / (len(members) - 1)
         out[index == g] = centred / (std + GRPO_EPS) if scale_by_std else centred
     return _restore(_float64(out, rewards), rewards)
 
@@ -121,6 +131,16 @@ def grpo_advantages(rewards: ArrayT, group_ids: Sequence[Hashable]) -> ArrayT:
 def dr_grpo_advantages(rewards: ArrayT, group_ids: Sequence[Hashable]) -> ArrayT:
     """Dr. GRPO: R - mean_G within each group (no std scaling)."""
     return _group_centred(rewards, group_ids, scale_by_std=False)  # type: ignore[no-any-return]
+
+
+def rloo_advantages(rewards: ArrayT, group_ids: Sequence[Hashable]) -> ArrayT:
+    """RLOO: R_i - mean_{j != i} R_j within each group (a group of one keeps R_i)."""
+    return _group_centred(rewards, group_ids, scale_by_std=False, leave_one_out=True)  # type: ignore[no-any-return]
+
+
+def batch_whitened_advantages(rewards: ArrayT) -> ArrayT:
+    """REINFORCE++: (R - batch mean) / (unbiased batch std + 1e-8) over the batch's trajectories."""
+    return trajectory_whitened_advantages(rewards)
 
 
 @dataclass(frozen=True)
@@ -150,6 +170,8 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "trajectory": lambda b: trajectory_whitened_advantages(b.raw_advantages()),
     "grpo": lambda b: grpo_advantages(np.asarray(b.rewards, dtype=np.float64), b.groups()),
     "dr_grpo": lambda b: dr_grpo_advantages(np.asarray(b.rewards, dtype=np.float64), b.groups()),
+    "rloo": lambda b: rloo_advantages(np.asarray(b.rewards, dtype=np.float64), b.groups()),
+    "reinforce++": lambda b: batch_whitened_advantages(np.asarray(b.rewards, dtype=np.float64)),
 }
 ADVANTAGE_ALIASES: dict[str, str] = {"spo++": "token", "spo": "trajectory"}
 

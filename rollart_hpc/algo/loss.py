@@ -3,9 +3,10 @@
     policy_loss(source, batch, cfg, num_global_action_tokens, old_logprobs=None) -> (loss, LossDiagnostics)
 
 The per-token math (`ppo_token_terms`, formulas in `rollart_hpc.kernels.token_loss`) and the reduction
-(sum, divide by the global action-token count of the optimizer step across micro-batches and DP ranks,
-diagnostics) exist once, in the kernels' torch reference; this module converts `LossConfig` to the
-kernels' `KernelLossConfig` and picks the implementation by the type of `source`:
+(per-token weights by `loss_agg`: 1 / the global action-token count of the optimizer step across
+micro-batches and DP ranks, or per-trajectory weights over the global trajectory count, see
+`aggregation_weights`; diagnostics) exist once, in the kernels' torch reference; `LossConfig` is the kernels' `KernelLossConfig`
+(built from the [algo] section by `loss_config`); this module picks the implementation by the type of `source`:
 
 - token log-probs [T] with gradient: the torch reference (the trainer's path: its model computes the
   log-probs, then `ppo_token_terms` runs in torch);
@@ -24,19 +25,23 @@ the DP size when the wrapper averages). Diagnostics sum to global means; max |A|
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from rollart_hpc.config.learning import AlgoConfig
 from rollart_hpc.kernels.common import KernelLossConfig, KernelTuning, LossInputs
+from rollart_hpc.kernels.entropy import head_entropy
 from rollart_hpc.kernels.policy_loss import fused_token_terms, linear_logprob
 from rollart_hpc.kernels.token_loss import (
     SUMMED_DIAGNOSTICS,
     LossDiagnostics,
     TokenTerms,
+    aggregation_weights,
+    kl_estimate,
     reduce_token_terms,
+    reward_to_go,
 )
 from rollart_hpc.kernels.token_loss import ppo_token_terms as _kernel_token_terms
 
@@ -46,30 +51,42 @@ __all__ = [
     "LossBatch",
     "LossConfig",
     "LossDiagnostics",
+    "SequenceBatch",
     "TokenTerms",
     "broadcast_to_tokens",
+    "loss_config",
     "packed_policy_loss",
     "policy_loss",
     "ppo_token_terms",
 ]
 
 
-@dataclass(frozen=True)
-class LossConfig(KernelLossConfig):
-    """The algorithm's loss parameters: the fields and their checks are the kernels' `KernelLossConfig`
-    (asymmetric clip 0.2 / 0.28 as in DAPO, dual clip and behaviour-weight cap 2 as in SPO++, log-ratio
-    clamp 20 as in verl); this type adds the construction from the run config."""
+LossConfig = KernelLossConfig
+"""The loss's parameters: the kernels' own type (asymmetric clip 0.2 / 0.28 as in DAPO, dual clip and
+behaviour-weight cap 2 as in SPO++, log-ratio clamp 20 as in verl, and the switches below); a run builds
+it from its [algo] section with `loss_config`."""
 
-    @classmethod
-    def from_config(cls, algo: AlgoConfig) -> LossConfig:
-        """The run's loss: clip range, dual clip and importance cap from the `algo` sub-config."""
-        return cls(
-            clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip_c=algo.dual_clip_c, is_cap=algo.is_cap
-        )
 
-    def to_kernel(self) -> KernelLossConfig:
-        """The same parameters as the kernels' own type."""
-        return KernelLossConfig(**{f.name: getattr(self, f.name) for f in fields(KernelLossConfig)})
+def loss_config(algo: AlgoConfig) -> LossConfig:
+    """The run's loss from the resolved `algo` section (0 turns dual_clip_c, is_cap and the rejection
+    bounds off)."""
+    return LossConfig(
+        clip_low=algo.clip_low,
+        clip_high=algo.clip_high,
+        dual_clip_c=algo.dual_clip_c or None,
+        is_cap=algo.is_cap or None,
+        decoupled=algo.decoupled,
+        ratio_level=algo.ratio_level,
+        is_level=algo.is_level,
+        is_reject_low=algo.is_reject_low or None,
+        is_reject_high=algo.is_reject_high or None,
+        loss_agg=algo.loss_agg,
+        loss_agg_tokens=algo.loss_agg_tokens,
+        entropy_coef=algo.entropy_coef,
+        kl_coef=algo.kl_coef,
+        kl_estimator=algo.kl_estimator or LossConfig.kl_estimator,
+        kl_in=algo.kl_in or LossConfig.kl_in,
+    )
 
 
 class LossBatch(Protocol):
@@ -85,6 +102,16 @@ class LossBatch(Protocol):
 
     @property
     def advantages(self) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """A `LossBatch` with the trajectories' boundaries `cu_seqlens` [B + 1] (per-token fields [T])."""
+
+    action_mask: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    cu_seqlens: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -110,10 +137,11 @@ def ppo_token_terms(
     advantages: torch.Tensor,
     action_mask: torch.Tensor,
     cfg: LossConfig,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> TokenTerms:
     """Per-token PPO terms over flat [T] tensors (`rollart_hpc.kernels.token_loss.ppo_token_terms`)."""
     return _kernel_token_terms(
-        logprobs, old_logprobs, behaviour_logprobs, advantages, action_mask, cfg.to_kernel()
+        logprobs, old_logprobs, behaviour_logprobs, advantages, action_mask, cfg, cu_seqlens
     )
 
 
@@ -132,7 +160,11 @@ def _token_inputs(batch: LossBatch, old_logprobs: torch.Tensor, device: torch.de
 
 
 def _fused_terms(
-    source: LMHeadInputs, batch: LossBatch, cfg: LossConfig, old_logprobs: torch.Tensor | None
+    source: LMHeadInputs,
+    batch: LossBatch,
+    cfg: LossConfig,
+    old_logprobs: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
 ) -> tuple[LossInputs, TokenTerms, torch.Tensor | None]:
     if old_logprobs is None:
         with torch.no_grad():
@@ -140,12 +172,19 @@ def _fused_terms(
                 source.hidden, source.weight, source.targets, source.impl, source.tuning
             )
     inputs = _token_inputs(batch, old_logprobs, source.hidden.device)
+    if not cfg.in_kernel or cfg.entropy_coef:  # log-probs from the fused head, terms in torch
+        logp = linear_logprob(source.hidden, source.weight, source.targets, source.impl, source.tuning)
+        terms = ppo_token_terms(logp, *inputs[1:], inputs.action_mask, cfg, cu_seqlens)
+        entropy = None
+        if source.with_entropy or cfg.entropy_coef:
+            entropy = head_entropy(source.hidden, source.weight)
+        return inputs, terms, entropy
     fused = fused_token_terms(
         source.hidden,
         source.weight,
         source.targets,
         inputs,
-        cfg.to_kernel(),
+        cfg,
         source.impl,
         source.with_entropy,
         source.tuning,
@@ -159,26 +198,86 @@ def policy_loss(
     cfg: LossConfig,
     num_global_action_tokens: int,
     old_logprobs: torch.Tensor | None = None,
+    num_global_sequences: int | None = None,
+    entropy: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossDiagnostics]:
-    """Token-mean SPO++ loss of one micro-batch and its diagnostics, both divided by the global count.
+    """SPO++ policy loss of one micro-batch, aggregated by `cfg.loss_agg`, and its diagnostics.
 
     source: the current policy's token log-probs [T] with gradient (torch reference), or `LMHeadInputs`
         (fused kernel; the gradient flows to hidden states and LM-head weight).
     batch: behaviour log-probs, per-token advantages and action mask [T]; moved to the source's device.
+        Settings that read trajectories (`cfg.needs_sequences`) also read its `cu_seqlens` [B + 1].
     old_logprobs: the proximal policy's log-probs [T]; None takes the current ones, detached (one
         optimizer step per batch: the ratio is 1 at the step's start).
+    num_global_action_tokens / num_global_sequences: the step's action tokens and trajectories (with an
+        action token) over all micro-batches and ranks: the denominators of `aggregation_weights`
+        (token_mean divides by the first, the per-trajectory aggregations by the second).
+    entropy: with a log-prob source, the policy's per-token entropy [T] (with its gradient when
+        cfg.entropy_coef > 0: the loss subtracts entropy_coef x it, aggregated as the loss); reported as
+        `LossDiagnostics.entropy`. `LMHeadInputs` compute it themselves (`with_entropy` or entropy_coef > 0;
+        entropy_coef > 0 takes the log-probs from the fused head and the terms and entropy from torch).
+    ref_logprobs: with a log-prob source, the reference policy's log-probs [T]: `LossDiagnostics.kl` is
+        the token mean of the cfg.kl_estimator estimate of KL(policy || reference); cfg.kl_coef > 0 adds
+        kl_coef x it to the loss (kl_in "loss") or subtracts kl_coef x the reward-to-go of the proximal
+        policy's estimate from the advantages (kl_in "reward"). Needed when cfg.kl_coef > 0.
     """
+    cu_seqlens = getattr(batch, "cu_seqlens", None)
+    if cfg.needs_sequences and cu_seqlens is None:
+        raise ValueError(f"loss_agg {cfg.loss_agg!r} and sequence-level terms need the batch's cu_seqlens")
+    token_kl = None
     if isinstance(source, LMHeadInputs):
-        inputs, terms, entropy = _fused_terms(source, batch, cfg, old_logprobs)
+        if cfg.kl_coef or ref_logprobs is not None:
+            raise ValueError("the KL to a reference policy takes the log-prob source, not LMHeadInputs")
+        inputs, terms, entropy = _fused_terms(source, batch, cfg, old_logprobs, cu_seqlens)
     else:
         old = source.detach() if old_logprobs is None else old_logprobs
         inputs = _token_inputs(batch, old, source.device)
         _check_token_shapes(source, *inputs)
+        if cfg.kl_coef and ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs the reference policy's log-probs")
+        if ref_logprobs is not None:
+            ref = ref_logprobs.to(source.device)
+            token_kl = kl_estimate(source, ref, inputs.action_mask, cfg.kl_estimator)
+            if cfg.kl_coef and cfg.kl_in == "reward":
+                penalty = kl_estimate(inputs.old_logprobs, ref, inputs.action_mask, cfg.kl_estimator)
+                assert cu_seqlens is not None  # cfg.needs_sequences, checked above
+                to_go = reward_to_go(penalty, inputs.action_mask, cu_seqlens)
+                shaped = inputs.advantages - cfg.kl_coef * to_go
+                inputs = inputs._replace(advantages=shaped.detach())
         terms = ppo_token_terms(
-            source, inputs.old_logprobs, inputs.behaviour_logprobs, inputs.advantages, inputs.action_mask, cfg
+            source,
+            inputs.old_logprobs,
+            inputs.behaviour_logprobs,
+            inputs.advantages,
+            inputs.action_mask,
+            cfg,
+            cu_seqlens,
         )
-        entropy = None
-    return reduce_token_terms(terms, inputs.action_mask, inputs.advantages, num_global_action_tokens, entropy)
+        if cfg.entropy_coef and entropy is None:
+            raise ValueError("entropy_coef > 0 needs the per-token entropy of the log-prob source")
+        entropy = entropy.to(source.device) if entropy is not None else None
+    weights = None
+    if cfg.loss_agg != "token_mean":
+        weights = aggregation_weights(
+            inputs.action_mask,
+            cu_seqlens.to(inputs.action_mask.device) if cu_seqlens is not None else None,
+            cfg,
+            num_global_action_tokens,
+            num_global_sequences,
+            terms.loss.dtype,
+        )
+    return reduce_token_terms(
+        terms,
+        inputs.action_mask,
+        inputs.advantages,
+        num_global_action_tokens,
+        entropy,
+        weights,
+        cfg.entropy_coef,
+        token_kl,
+        cfg.kl_coef if cfg.kl_in == "loss" else 0.0,
+    )
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -211,11 +310,12 @@ def packed_policy_loss(
     action_mask: torch.Tensor,
     num_global_action_tokens: int,
     cfg: LossConfig,
+    num_global_sequences: int | None = None,
 ) -> tuple[torch.Tensor, LossDiagnostics]:
     """`policy_loss` of packed trajectories delimited by `cu_seqlens` [B + 1] (0 to T, non-decreasing),
     with `advantages` per trajectory [B], broadcast to their tokens."""
     _check_token_shapes(logprobs, old_logprobs, behaviour_logprobs, action_mask)
     _check_cu_seqlens(cu_seqlens, logprobs.shape[0])
     token_adv = broadcast_to_tokens(advantages.to(logprobs.dtype), cu_seqlens)
-    batch = LossInputs(action_mask, old_logprobs, behaviour_logprobs, token_adv)
-    return policy_loss(logprobs, batch, cfg, num_global_action_tokens, old_logprobs)
+    batch = SequenceBatch(action_mask, behaviour_logprobs, token_adv, cu_seqlens)
+    return policy_loss(logprobs, batch, cfg, num_global_action_tokens, old_logprobs, num_global_sequences)

@@ -36,24 +36,52 @@ HOUSEHOLD_TYPES = ("put_in", "put_on", "two_obj", "open_then_put", "other_room",
 CALC_MAX_OPS = 3
 """calc_math: problem `i` of the canonical set has `1 + i % CALC_MAX_OPS` operations."""
 
-AlgoName = Literal["spo++", "spo", "grpo", "dr_grpo", "custom"]
+AlgoName = Literal["spo++", "spo", "grpo", "dr_grpo", "rloo", "reinforce++", "gspo", "custom"]
 TrackerKind = Literal["", "event_time", "arrival"]
 Normalization = Literal["", "action_token", "trajectory"]
-Estimator = Literal["", "tracker", "group"]
-GroupAdvantage = Literal["", "grpo", "dr_grpo"]
+Estimator = Literal["", "tracker", "group", "batch"]
+GroupAdvantage = Literal["", "grpo", "dr_grpo", "rloo"]
+LossAgg = Literal["", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+Level = Literal["", "token", "sequence"]
 
 ALGO_PRESETS: dict[str, dict[str, str]] = {
     "spo++": {"tracker": "event_time", "normalization": "action_token", "estimator": "tracker"},
     "spo": {"tracker": "arrival", "normalization": "trajectory", "estimator": "tracker"},
     "grpo": {"tracker": "event_time", "estimator": "group", "group_advantage": "grpo"},
-    "dr_grpo": {"tracker": "event_time", "estimator": "group", "group_advantage": "dr_grpo"},
+    "dr_grpo": {
+        "tracker": "event_time",
+        "estimator": "group",
+        "group_advantage": "dr_grpo",
+        "loss_agg": "seq_mean_token_sum_norm",
+    },
+    "rloo": {"tracker": "event_time", "estimator": "group", "group_advantage": "rloo"},
+    "reinforce++": {"tracker": "event_time", "estimator": "batch", "loss_agg": "token_mean"},
+    "gspo": {
+        "tracker": "event_time",
+        "estimator": "group",
+        "group_advantage": "grpo",
+        "ratio_level": "sequence",
+        "loss_agg": "seq_mean_token_mean",
+    },
     "custom": {},
 }
-"""The algorithm arms of the SPO++ experiments: the `algo` fields each `algo.name` sets. 'custom' sets
-none; its unset fields take `ALGO_DEFAULTS`. The group arms keep a tracker: it drives the task sampler."""
+"""The algorithm arms: the `algo` fields each `algo.name` sets. 'custom' sets none; its unset fields take
+`ALGO_DEFAULTS`. The group and batch arms keep a tracker: it drives the task sampler."""
 
-ALGO_DEFAULTS: dict[str, str] = {"tracker": "event_time", "estimator": "tracker"}
+ALGO_DEFAULTS: dict[str, str] = {
+    "tracker": "event_time",
+    "estimator": "tracker",
+    "loss_agg": "token_mean",
+    "ratio_level": "token",
+}
 """What an `algo` field left unset ('') takes when `algo.name` does not set it."""
+
+CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"gspo": (3e-4, 4e-4)}
+"""(clip_low, clip_high) of an arm when the config leaves them at 0 (GSPO clips the sequence ratio);
+other arms take `DEFAULT_CLIP`. Unlike `ALGO_PRESETS`, the config may set other values."""
+
+DEFAULT_CLIP = (0.2, 0.28)
+"""(clip_low, clip_high) left at 0 by the config: DAPO's asymmetric clip."""
 
 DEFAULT_GROUP_SIZE = 4
 """`algo.group_size` of the group estimator when the config leaves it at 0."""

@@ -11,11 +11,15 @@ from typing import Literal
 from rollart_hpc.config.choices import (
     ALGO_DEFAULTS,
     ALGO_PRESETS,
+    CLIP_DEFAULTS,
+    DEFAULT_CLIP,
     DEFAULT_GROUP_SIZE,
     LEGACY_ADVANTAGE,
     AlgoName,
     Estimator,
     GroupAdvantage,
+    Level,
+    LossAgg,
     Normalization,
     TrackerKind,
 )
@@ -32,7 +36,10 @@ class AlgoConfig:
     name: AlgoName = doc_field(
         "spo++",
         "Algorithm arm: 'spo++' (event_time tracker, action_token normalisation), 'spo' (arrival tracker, "
-        "trajectory whitening), 'grpo' / 'dr_grpo' (group estimator), 'custom' (set the fields below).",
+        "trajectory whitening), 'grpo' / 'dr_grpo' / 'rloo' (group estimator; dr_grpo with the constant "
+        "seq_mean_token_sum_norm aggregation), 'reinforce++' (batch estimator, token_mean), 'gspo' (GRPO "
+        "advantages, sequence-level ratio clipped to 3e-4 / 4e-4, seq_mean_token_mean), 'custom' (set the "
+        "fields below).",
     )
     tracker: TrackerKind = doc_field(
         "",
@@ -48,7 +55,9 @@ class AlgoConfig:
     estimator: Estimator = doc_field(
         "",
         "'tracker': A = R - the tracker's baseline frozen at dispatch; 'group': group_size episodes of one "
-        "task are dispatched back to back and centred on their group (group_advantage). '' = set by algo.name.",
+        "task are dispatched back to back and centred on their group (group_advantage); 'batch' "
+        "(REINFORCE++): A = (R - batch mean) / (batch std + 1e-8) over the step's trajectories (unbiased "
+        "std; no critic, no group). '' = set by algo.name.",
     )
     group_size: int = doc_field(
         0,
@@ -58,7 +67,8 @@ class AlgoConfig:
     )
     group_advantage: GroupAdvantage = doc_field(
         "",
-        "Group estimator: 'grpo' ((R - mean_G) / std_G) or 'dr_grpo' (R - mean_G). '' = set by algo.name.",
+        "Group estimator: 'grpo' ((R - mean_G) / std_G), 'dr_grpo' (R - mean_G) or 'rloo' (leave-one-out: "
+        "R_i - mean_{j != i} R_j = G / (G - 1) (R_i - mean_G)). '' = set by algo.name.",
     )
     advantage: Literal["", "spo++", "spo"] = doc_field(
         "",
@@ -83,10 +93,70 @@ class AlgoConfig:
         "dispatches follows its task count and values); 'family' = an env family uniformly among those "
         "with a task below its cap, then one of its tasks by priority weight (each family an equal share).",
     )
-    clip_low: float = doc_field(0.2, "PPO ratio clip below 1.")
-    clip_high: float = doc_field(0.28, "PPO ratio clip above 1.")
-    dual_clip_c: float = doc_field(2.0, "Negative dual-clip constant c (> 1).")
-    is_cap: float = doc_field(2.0, "Cap on the truncated importance weight exp(old - behaviour).")
+    clip_low: float = doc_field(
+        0.0, "Ratio clip below 1 (0 = the arm's default: 0.2; gspo 3e-4, clipping the sequence ratio)."
+    )
+    clip_high: float = doc_field(0.0, "Ratio clip above 1 (0 = the arm's default: 0.28; gspo 4e-4).")
+    dual_clip_c: float = doc_field(2.0, "Negative dual-clip constant c (> 1; 0 = off).")
+    is_cap: float = doc_field(
+        2.0, "Cap on the behaviour importance weight exp(old - behaviour), at is_level (0 = unbounded)."
+    )
+    decoupled: bool = doc_field(
+        False,
+        "Decoupled PPO (AReaL): drop tokens whose behaviour weight exceeds is_cap instead of truncating.",
+    )
+    is_level: Level = doc_field(
+        "token",
+        "Behaviour weight per 'token' (exp(old_t - behaviour_t)) or per 'sequence' (exp of the mean over the "
+        "trajectory's action tokens of (old - behaviour), on all its tokens).",
+    )
+    is_reject_low: float = doc_field(
+        0.0,
+        "Mask out tokens (is_level 'token') or trajectories ('sequence') whose behaviour weight lies below "
+        "this (in (0, 1); 0 = no lower bound). They stay in the loss's denominator.",
+    )
+    is_reject_high: float = doc_field(
+        0.0,
+        "Mask out tokens or trajectories whose behaviour weight lies above this (> 1; 0 = no upper bound).",
+    )
+    ratio_level: Level = doc_field(
+        "",
+        "PPO ratio per 'token' or per 'sequence' (GSPO: s_i = exp(mean over the trajectory's action tokens "
+        "of (logp - old)), clipped at the sequence level). '' = set by algo.name ('token').",
+    )
+    loss_agg: LossAgg = doc_field(
+        "",
+        "Aggregation of the per-token loss: 'token_mean' (divided by the step's action-token count), "
+        "'seq_mean_token_mean' (each trajectory's token mean, averaged over the step's trajectories), "
+        "'seq_mean_token_sum_norm' (each trajectory's token sum divided by loss_agg_tokens, averaged over "
+        "the trajectories: Dr. GRPO's constant batch size x loss_agg_tokens). '' = set by algo.name.",
+    )
+    loss_agg_tokens: int = doc_field(
+        0,
+        "seq_mean_token_sum_norm: the constant per-trajectory token count C of the denominator (the longest "
+        "response; 0 = rollout.max_model_len, which no trajectory exceeds).",
+    )
+    entropy_coef: float = doc_field(
+        0.0,
+        "Entropy bonus: the loss subtracts this x the action-token entropy of the policy, aggregated as "
+        "the loss (0 = off; the entropy is logged either way).",
+    )
+    kl_coef: float = doc_field(
+        0.0,
+        "KL to a reference policy, a frozen copy of the warm-start weights on the trainer ranks (0 = off; "
+        "> 0 also logs kl, the token mean of the estimate).",
+    )
+    kl_estimator: Literal["", "k1", "k2", "k3"] = doc_field(
+        "",
+        "Per-token estimator of KL(policy || reference), log r = ref - logp: 'k1' = -log r, 'k2' = (log r)^2 "
+        "/ 2, 'k3' = r - 1 - log r. '' = 'k3' when kl_coef > 0.",
+    )
+    kl_in: Literal["", "loss", "reward"] = doc_field(
+        "",
+        "'loss': kl_coef x the estimate joins the per-token loss (aggregated as the loss); 'reward': each "
+        "action token's advantage loses kl_coef x the estimate summed from it to its trajectory's end "
+        "(the proximal policy's, no gradient). '' = 'loss' when kl_coef > 0.",
+    )
 
     def __post_init__(self) -> None:
         if self.advantage:
@@ -114,19 +184,16 @@ class AlgoConfig:
         if self.estimator == "group":
             object.__setattr__(self, "group_advantage", self.group_advantage or "grpo")
             object.__setattr__(self, "group_size", self.group_size or DEFAULT_GROUP_SIZE)
+        clip = CLIP_DEFAULTS.get(self.name, DEFAULT_CLIP)
+        object.__setattr__(self, "clip_low", self.clip_low or clip[0])
+        object.__setattr__(self, "clip_high", self.clip_high or clip[1])
+        if self.kl_coef:
+            object.__setattr__(self, "kl_estimator", self.kl_estimator or "k3")
+            object.__setattr__(self, "kl_in", self.kl_in or "loss")
 
     def validate(self, path: str) -> None:
-        if self.estimator == "group":
-            if self.group_size < 2:
-                raise UsageError(f"{path}.group_size: the group estimator needs >= 2, got {self.group_size}")
-            if self.normalization:
-                raise UsageError(
-                    f"{path}.normalization: has no effect with {path}.estimator = 'group'; remove it"
-                )
-        else:
-            for key in ("group_size", "group_advantage"):
-                if getattr(self, key):
-                    raise UsageError(f"{path}.{key}: only the group estimator uses it; remove it")
+        self._validate_estimator(path)
+        self._validate_loss(path)
         if not 0.0 < self.rho <= 1.0:
             raise UsageError(f"{path}.rho: must lie in (0, 1], got {self.rho}")
         arrival = ("arrival_drift_per_version", "arrival_rho_min", "arrival_rho_max")
@@ -142,6 +209,61 @@ class AlgoConfig:
             raise UsageError(f"{path}: 0 < arrival_rho_min <= arrival_rho_max <= 1 required")
         if self.max_in_flight_per_task < 1 or self.sampler_epsilon <= 0:
             raise UsageError(f"{path}: max_in_flight_per_task >= 1 and sampler_epsilon > 0 required")
+
+    def _validate_estimator(self, path: str) -> None:
+        if self.estimator == "group":
+            if self.group_size < 2:
+                raise UsageError(f"{path}.group_size: the group estimator needs >= 2, got {self.group_size}")
+            if self.normalization:
+                raise UsageError(
+                    f"{path}.normalization: has no effect with {path}.estimator = 'group'; remove it"
+                )
+        else:
+            for key in ("group_size", "group_advantage"):
+                if getattr(self, key):
+                    raise UsageError(f"{path}.{key}: only the group estimator uses it; remove it")
+        if self.estimator == "batch" and self.normalization:
+            raise UsageError(
+                f"{path}.normalization: has no effect with {path}.estimator = 'batch'; remove it"
+            )
+
+    def _validate_loss(self, path: str) -> None:
+        """One-line errors for loss settings out of range, contradicting each other or without effect."""
+        if not (0 < self.clip_low < 1 and self.clip_high > 0):
+            raise UsageError(f"{path}.clip_low, {path}.clip_high: need 0 < clip_low < 1 and clip_high > 0")
+        if self.dual_clip_c < 0 or 0 < self.dual_clip_c <= 1:
+            raise UsageError(f"{path}.dual_clip_c: must be > 1 (or 0 = off), got {self.dual_clip_c}")
+        if self.is_cap < 0:
+            raise UsageError(f"{path}.is_cap: must be > 0 (or 0 = off), got {self.is_cap}")
+        if self.decoupled and not self.is_cap:
+            raise UsageError(
+                f"{path}.decoupled: drops tokens whose weight exceeds {path}.is_cap; set is_cap > 0"
+            )
+        if not (self.is_reject_low == 0 or 0 < self.is_reject_low < 1):
+            raise UsageError(
+                f"{path}.is_reject_low: must lie in (0, 1) (or 0 = off), got {self.is_reject_low}"
+            )
+        if not (self.is_reject_high == 0 or self.is_reject_high > 1):
+            raise UsageError(f"{path}.is_reject_high: must be > 1 (or 0 = off), got {self.is_reject_high}")
+        if self.is_reject_high and self.decoupled:
+            raise UsageError(
+                f"{path}.is_reject_high: {path}.decoupled already drops weights above is_cap; set one"
+            )
+        if self.is_reject_high and self.is_cap >= self.is_reject_high:
+            raise UsageError(
+                f"{path}.is_cap: {self.is_cap} >= {path}.is_reject_high never truncates; remove it"
+            )
+        if self.loss_agg_tokens < 0 or (self.loss_agg_tokens and self.loss_agg != "seq_mean_token_sum_norm"):
+            raise UsageError(
+                f"{path}.loss_agg_tokens: only loss_agg = 'seq_mean_token_sum_norm' uses it (> 0)"
+            )
+        if self.entropy_coef < 0:
+            raise UsageError(f"{path}.entropy_coef: must be >= 0, got {self.entropy_coef}")
+        if self.kl_coef < 0:
+            raise UsageError(f"{path}.kl_coef: must be >= 0, got {self.kl_coef}")
+        for key in ("kl_estimator", "kl_in"):
+            if getattr(self, key) and not self.kl_coef:
+                raise UsageError(f"{path}.{key}: has no effect with {path}.kl_coef = 0; remove it")
 
 
 @dataclass(frozen=True)

@@ -593,6 +593,11 @@ class Config:
         RoutingConfig, "Routing of LLM turns to rollout pools and ranks (run.job = 'rl')."
     )
 
+    def __post_init__(self) -> None:
+        if self.algo.loss_agg == "seq_mean_token_sum_norm" and not self.algo.loss_agg_tokens:
+            # No trajectory holds more action tokens than the rollout's context: Dr. GRPO's constant.
+            object.__setattr__(self.algo, "loss_agg_tokens", self.rollout.max_model_len)
+
     def validate(self, path: str) -> None:
         self.trainer.validate_layout("trainer", self.roles.trainer.num_ranks)
         size, batch = self.algo.group_size, self.controller.batch_size

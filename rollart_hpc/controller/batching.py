@@ -29,12 +29,15 @@ def estimator_name(algo: AlgoConfig) -> str:
     else the normalisation of R - the frozen baseline."""
     if algo.estimator == "group":
         return algo.group_advantage
+    if algo.estimator == "batch":
+        return "reinforce++"
     return ESTIMATOR_OF_NORMALIZATION[algo.normalization]
 
 
 def batch_advantages(batch: Batch, algo: AlgoConfig) -> tuple[np.ndarray, dict[str, float]]:
     """Per-trajectory advantages of a step's batch under `algo`, and their diagnostics. The group estimator
-    groups by the tickets' `group_id`; its diagnostics read R - group mean as the raw advantage."""
+    groups by the tickets' `group_id`; its diagnostics read R - group mean (the batch estimator's R - batch
+    mean) as the raw advantage."""
     trajs = [r.trajectory for r in batch.results]
     group_ids = [r.ticket.group_id for r in batch.results]
     inputs = AdvantageInputs(
@@ -46,11 +49,12 @@ def batch_advantages(batch: Batch, algo: AlgoConfig) -> tuple[np.ndarray, dict[s
     if algo.estimator == "group" and not all(group_ids):
         raise ValueError(f"step {batch.step}: the group estimator got episodes without a group id")
     normalized = np.asarray(get_advantage_estimator(estimator_name(algo))(inputs), dtype=np.float64)
-    raw = (
-        dr_grpo_advantages(inputs.rewards, group_ids)
-        if algo.estimator == "group"
-        else inputs.raw_advantages()
-    )
+    if algo.estimator == "group":
+        raw = dr_grpo_advantages(inputs.rewards, group_ids)
+    elif algo.estimator == "batch":
+        raw = inputs.rewards - inputs.rewards.mean()
+    else:
+        raw = inputs.raw_advantages()
     diagnostics = advantage_diagnostics(raw, inputs.action_token_counts, normalized)
     return normalized, diagnostics
 

@@ -3,7 +3,8 @@
 `policy_loss` holds the entry points (`fused_token_terms`, `fused_policy_loss`, `linear_logprob`, the
 implementation selector); `lm_head_triton` the Triton kernels and `lm_head_reference` their torch reference
 of the same signature; `token_loss` the per-token SPO++ terms in torch and their one reduction to the loss
-and `LossDiagnostics`. This package imports nothing of `rollart_hpc` outside `rollart_hpc.kernels`.
+and `LossDiagnostics`; `entropy` the per-token softmax entropy with its gradient (chunked torch, also
+vocabulary-parallel). This package imports nothing of `rollart_hpc` outside `rollart_hpc.kernels`.
 Names below load their module on first access, so importing the package imports neither torch nor triton.
 """
 
@@ -28,6 +29,7 @@ EXPORTS = {
     "ppo_token_terms": "token_loss",
     "reduce_token_terms": "token_loss",
     "eager_policy_loss": "lm_head_reference",
+    "head_entropy": "entropy",
 }
 
 __all__ = sorted(EXPORTS)

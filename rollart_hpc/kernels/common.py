@@ -18,16 +18,41 @@ from typing import NamedTuple
 
 import torch
 
+LEVELS = ("token", "sequence")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_INS = ("loss", "reward")
+
 
 @dataclass(frozen=True)
 class KernelLossConfig:
-    """The SPO++ per-token loss parameters the kernels read (the algorithm's config converts to this).
+    """The policy loss's parameters, read by the kernels and the torch terms alike (`rollart_hpc.algo.loss`
+    calls it LossConfig and builds it from the [algo] section).
 
     clip_low / clip_high: ratio clipped to [1 - clip_low, 1 + clip_high].
     dual_clip_c: per-token loss capped at -c*A for A < 0; None disables.
     is_cap: cap on the behaviour weight exp(old - behaviour); None leaves it unbounded.
     decoupled: False truncates the weight at is_cap; True drops tokens whose weight exceeds it.
     log_ratio_clamp: log-ratios are clamped to +-this before exp.
+    ratio_level: "token" (PPO: ratio_t = exp(logp_t - old_t)) or "sequence" (GSPO: every action token of a
+        trajectory takes s_i = exp(mean over its action tokens of (logp - old)), clipped at the sequence
+        level; d s_i / d logp_t = s_i / |y_i|, the exact gradient of GSPO's objective).
+    is_level: "token" (behaviour weight exp(old_t - behaviour_t)) or "sequence" (exp of the mean over the
+        trajectory's action tokens of (old - behaviour), the same weight on all its tokens).
+    is_reject_low / is_reject_high: tokens (is_level "token") or whole trajectories ("sequence") whose
+        behaviour weight lies below / above these bounds get weight 0 (None: no bound).
+    loss_agg: how per-token losses become the step's loss (`token_loss.aggregation_weights`):
+        "token_mean" (divide by the step's global action-token count), "seq_mean_token_mean" (each
+        trajectory's mean over its action tokens, then the mean over the step's global trajectory count),
+        "seq_mean_token_sum_norm" (each trajectory's sum over its action tokens divided by the constant
+        loss_agg_tokens, then the mean over the trajectories: Dr. GRPO's fixed denominator, batch size x
+        loss_agg_tokens, the same every step).
+    entropy_coef: weight of the entropy bonus (the loss subtracts entropy_coef x the action-token entropy,
+        aggregated as the loss); needs the entropy of the softmax, so it needs hidden states and LM head.
+    kl_coef / kl_estimator / kl_in: KL to a reference policy (0 = off), estimated per action token by
+        "k1" | "k2" | "k3" (`token_loss.kl_estimate`); "loss" adds kl_coef x it to the per-token loss
+        (aggregated as the loss, gradient through the current log-probs), "reward" subtracts kl_coef x the
+        reward-to-go of the proximal policy's estimate from each token's advantage (no gradient).
     """
 
     clip_low: float = 0.2
@@ -36,6 +61,16 @@ class KernelLossConfig:
     is_cap: float | None = 2.0
     decoupled: bool = False
     log_ratio_clamp: float = 20.0
+    ratio_level: str = "token"
+    is_level: str = "token"
+    is_reject_low: float | None = None
+    is_reject_high: float | None = None
+    loss_agg: str = "token_mean"
+    loss_agg_tokens: int = 0
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in: str = "loss"
 
     def __post_init__(self) -> None:
         if not (0 < self.clip_low < 1 and self.clip_high > 0):
@@ -50,6 +85,58 @@ class KernelLossConfig:
             raise ValueError("decoupled PPO filters tokens by is_cap, so it needs one")
         if self.log_ratio_clamp <= 0:
             raise ValueError(f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+        self._check_levels()
+        self._check_reject()
+        if (self.loss_agg == "seq_mean_token_sum_norm") != (self.loss_agg_tokens > 0):
+            raise ValueError(
+                f"loss_agg_tokens > 0 goes with loss_agg 'seq_mean_token_sum_norm' only, got "
+                f"{self.loss_agg!r} with {self.loss_agg_tokens}"
+            )
+        if self.entropy_coef < 0 or self.kl_coef < 0:
+            raise ValueError(
+                f"entropy_coef and kl_coef must be >= 0, got {self.entropy_coef}, {self.kl_coef}"
+            )
+        if self.kl_estimator not in KL_ESTIMATORS or self.kl_in not in KL_INS:
+            raise ValueError(
+                f"kl_estimator in {KL_ESTIMATORS}, kl_in in {KL_INS}: {self.kl_estimator!r}, {self.kl_in!r}"
+            )
+
+    def _check_levels(self) -> None:
+        for name in ("ratio_level", "is_level"):
+            if getattr(self, name) not in LEVELS:
+                raise ValueError(f"{name} must be one of {LEVELS}, got {getattr(self, name)!r}")
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
+
+    def _check_reject(self) -> None:
+        low, high = self.is_reject_low, self.is_reject_high
+        if low is not None and not 0 < low < 1:
+            raise ValueError(f"is_reject_low must lie in (0, 1), got {low}")
+        if high is not None and high <= 1:
+            raise ValueError(f"is_reject_high must be > 1, got {high}")
+        if high is not None and self.decoupled:
+            raise ValueError(
+                "decoupled drops weights above is_cap and is_reject_high drops them too: set one"
+            )
+        if high is not None and self.is_cap is not None and self.is_cap >= high:
+            raise ValueError(f"is_cap {self.is_cap} >= is_reject_high {high} never acts: remove is_cap")
+
+    @property
+    def needs_sequences(self) -> bool:
+        """Whether the loss reads trajectory boundaries (sequence-level ratio or weight, or aggregation)."""
+        kl_reward = self.kl_coef > 0 and self.kl_in == "reward"
+        return "sequence" in (self.ratio_level, self.is_level) or self.loss_agg != "token_mean" or kl_reward
+
+    @property
+    def in_kernel(self) -> bool:
+        """Whether the Triton epilogue computes these per-token terms (token-level ratio and weight, no
+        rejection bounds); other settings take the log-probs from the kernel and the terms from torch."""
+        return (
+            self.ratio_level == "token"
+            and self.is_level == "token"
+            and self.is_reject_low is None
+            and self.is_reject_high is None
+        )
 
 
 @dataclass(frozen=True)

@@ -141,14 +141,19 @@ def fused_token_terms(
     tuning: KernelTuning | None = None,
 ) -> FusedTokens:
     """The per-token SPO++ terms of `hidden @ weight.T` [T, V] without materialising it; per-token
-    inputs [T] (advantages already broadcast to tokens) are constants of the loss."""
+    inputs [T] (advantages already broadcast to tokens) are constants of the loss. Only token-level
+    settings (`cfg.in_kernel`) are computed here; the others read trajectories (`token_loss`)."""
+    if not cfg.in_kernel:
+        raise ValueError(
+            "sequence-level ratio, weight or rejection bounds: compute the terms with token_loss"
+        )
     inputs = LossInputs(*(t.detach() for t in inputs))
     ops = get_ops(impl, hidden.device)
     tuning = tuning or KernelTuning()
     with torch.no_grad():
         out: TokenForward = ops.forward(hidden, weight, targets, inputs, cfg, with_entropy, tuning)
     loss = _TokenLoss.apply(hidden, weight, out.loss, targets, out.lse, out.coef, ops, tuning)
-    terms = TokenTerms(loss, out.is_weight, out.clipped, out.dual_clipped, out.is_capped, out.approx_kl)
+    terms = TokenTerms(loss, out.is_weight, out.clipped, out.dual_clipped, out.is_capped, out.approx_kl, None)
     return FusedTokens(terms, out.logprobs, out.entropy)
 
 
@@ -171,7 +176,11 @@ def fused_policy_loss(
     Per-token inputs are [T] (advantages already broadcast to tokens). Returns (loss with gradient to
     hidden and weight, log-probs [T] detached, diagnostics), reduced by `token_loss.reduce_token_terms`
     like the torch reference, so it equals that on the log-probs of `hidden @ weight.T` up to rounding.
+    Token-mean aggregation without entropy or KL terms only: `rollart_hpc.algo.loss.policy_loss` takes
+    the rest.
     """
+    if cfg.loss_agg != "token_mean" or cfg.entropy_coef or cfg.kl_coef:
+        raise ValueError("fused_policy_loss is the token-mean loss; use algo.loss.policy_loss for the others")
     inputs = LossInputs(action_mask, old_logprobs, behaviour_logprobs, advantages)
     fused = fused_token_terms(hidden, weight, targets, inputs, cfg, impl, with_entropy, tuning)
     loss, diagnostics = reduce_token_terms(

@@ -158,3 +158,34 @@ def mask_padding(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.T
     if real == shard:
         return logits
     return logits.index_fill(-1, torch.arange(real, shard, device=logits.device), float("-inf"))
+
+
+def token_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    vocab_size: int,
+    tp_size: int,
+    timeout_s: float,
+    copy_to_tp: bool = True,
+) -> torch.Tensor:
+    """The policy's entropy [N] (fp32) per token from the last hidden states [N, H] and the (vocabulary-
+    parallel, padded) head shard, with its gradient (`rollart_hpc.kernels.entropy.head_entropy`: logits
+    a chunk of tokens at a time, padding masked; under TP two sums and a max over the group)."""
+    from rollart_hpc.kernels.entropy import head_entropy
+
+    rank, group = 0, None
+    if tp_size > 1:
+        from megatron.core import parallel_state, tensor_parallel
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        rank = dist.get_rank(group)
+        if copy_to_tp:
+            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+
+    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        kind = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        return comm.all_reduce(tensor, f"vocab-parallel entropy {op}", timeout_s, kind, group)
+
+    real = vocab_size - rank * weight.shape[0]
+    chunk = _chunk(weight.shape[0])
+    return head_entropy(hidden, weight, real, reduce if group is not None else None, chunk).float()

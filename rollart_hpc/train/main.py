@@ -168,10 +168,10 @@ def publish(trainer: Trainer, sender: WeightSender | None, version: int) -> None
 def rl_loop(
     config: Config, ctx: RunContext, trainer: Trainer, sender: WeightSender | None, weights_bytes: int = 0
 ) -> float:
-    from rollart_hpc.algo.loss import LossConfig  # torch
+    from rollart_hpc.algo.loss import loss_config  # torch
 
     mailbox = ctx.mailbox
-    cfg = LossConfig.from_config(config.algo)
+    cfg = loss_config(config.algo)
     busy_s = 0.0
     timeline = Timeline("trainer", ctx.world.rank)
     while True:
@@ -225,7 +225,7 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from rollart_hpc.train.trainer import Trainer
+    from rollart_hpc.train.trainer import HF_MARKER, Trainer
 
     torch.set_num_threads(config.trainer.num_threads)
     init_trainer_group(ctx)
@@ -251,6 +251,9 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
         current = RunLayout(run_dir).model / f"resumed-{Path(start.resume).parent.name}"
     set_lr(trainer, config.trainer.lr)
     trainer.save_hf(current)  # all ranks gather; the first trainer writes
+    if config.algo.kl_coef:  # the reference policy: the warm start's weights (a resumed run's too)
+        warm = run_dir / "model" / "warm"
+        trainer.load_reference(warm if (warm / HF_MARKER).exists() else current)
     ctx.mailbox.send(Ready(str(current), time.perf_counter() - started), 0, Tag.READY)
     sender = None
     # The layout of the published tensors (names, shapes, dtypes), gathered unit by unit as they will be.

@@ -12,7 +12,8 @@ buckets, and Megatron's optimizer clips by the global norm and steps (Adam state
 the distributed optimizer), so all replicas stay identical.
 
 Invariant: the loss of every micro-batch is divided by the step's *global* action-token count (all
-ranks and micro-batches), computed on the last pipeline stage, and gradients are summed over
+ranks and micro-batches), or weighed per trajectory over the global trajectory count (`algo.loss_agg`),
+computed on the last pipeline stage, and gradients are summed over
 micro-batches and data-parallel replicas (never averaged), so the step follows the gradient of the
 whole batch's token-mean loss whatever the layout. Metrics are reduced once per step from the last
 stage's first tensor-parallel rank of every replica. Every collective is bounded by
@@ -21,6 +22,7 @@ stage's first tensor-parallel rank of every replica. Every collective is bounded
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
 from collections.abc import Callable, Iterator
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from rollart_hpc.algo.loss import SUMMED_DIAGNOSTICS, LossConfig, policy_loss
 from rollart_hpc.contracts.atomic import atomic_write_json
+from rollart_hpc.kernels.token_loss import action_tokens_per_sequence
 from rollart_hpc.models.config import ModelConfig
 from rollart_hpc.train import checkpoint, comm, parallel
 from rollart_hpc.train.batch import (
@@ -47,7 +50,7 @@ from rollart_hpc.train.batch import (
 from rollart_hpc.train.config import TrainerConfig
 from rollart_hpc.train.convert import from_stage, megatron_to_hf, stage_layers, unit_entries, unit_to_hf
 from rollart_hpc.train.convert import hf_units as convert_units
-from rollart_hpc.train.lm_head import token_logprobs
+from rollart_hpc.train.lm_head import token_entropy, token_logprobs
 from rollart_hpc.train.model import Layout, ensure_model_parallel, gpt_from_hf
 
 HF_WEIGHTS = "model.safetensors"
@@ -58,7 +61,11 @@ RL_METRICS = SUMMED_DIAGNOSTICS  # the policy-loss diagnostics the RL step repor
 BEHAVIOUR_GAP = "max_abs_behaviour_log_ratio"
 # Per-micro-batch loss: (micro-batch, its per-token log-probs [T] with grad, the positions of its tokens
 # in the batch given to the step) -> (loss, metric sums).
-LossFn = Callable[[PackedBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# With `_entropy_mode` set, the policy's per-token entropy [T] follows (else None).
+LossFn = Callable[
+    [PackedBatch, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    tuple[torch.Tensor, dict[str, torch.Tensor]],
+]
 
 
 class Micro(NamedTuple):
@@ -97,6 +104,8 @@ class Trainer:
         self.step = 0
         self._sums: dict[str, torch.Tensor] = {}
         self._temperature = cfg.temperature
+        self._entropy_mode: str | None = None  # None | "detached" | "grad": the RL loss's entropy
+        self._reference: Any = None  # the frozen reference policy (`load_reference`), or None
 
     @property
     def config(self) -> ModelConfig:
@@ -159,11 +168,10 @@ class Trainer:
         out: torch.Tensor = self.gpt.output_layer.weight
         return out
 
-    def _token_logprobs(self, micro: Micro, output: torch.Tensor) -> torch.Tensor:
-        """log p(token t | tokens < t) for every token of the micro-batch as [T] (0 at each sequence's
-        first token), from the last stage's final hidden states through `lm_head.token_logprobs`."""
-        rows = micro.rows
-        valid = rows.target_valid.to(self.device)
+    def _packed_hidden(self, micro: Micro, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last hidden states of the micro-batch's predicted tokens, packed [N, H]; their mask over
+        the padded rows)."""
+        valid = micro.rows.target_valid.to(self.device)
         if self.cfg.sequence_parallel:  # [s/TP, b, H] -> [s, b, H]; its backward sums over TP
             from megatron.core import tensor_parallel
 
@@ -173,6 +181,31 @@ class Trainer:
         hidden = output.transpose(0, 1)[valid]  # packed [N, H]: no padding reaches the head
         if self._temperature != 1.0:  # log softmax(W h / T) = log softmax(W (h / T)): the head has no bias
             hidden = hidden / self._temperature
+        return hidden, valid
+
+    def _token_entropy(self, micro: Micro, output: torch.Tensor) -> torch.Tensor:
+        """The policy's entropy [T] at the micro-batch's action tokens (0 elsewhere; the loss reads no
+        other), with its gradient in `_entropy_mode` "grad" (`lm_head.token_entropy`)."""
+        hidden, valid = self._packed_hidden(micro, output)
+        index = micro.rows.flat_index.to(self.device)[valid]
+        action = micro.batch.action_mask.to(self.device)[index]
+        with contextlib.nullcontext() if self._entropy_mode == "grad" else torch.no_grad():
+            ent = token_entropy(
+                hidden[action],
+                self._head_weight(),
+                self.model_config.vocab_size,
+                self.layout.tp_size,
+                self.cfg.collective_timeout_s,
+                copy_to_tp=not self.cfg.sequence_parallel,
+            )
+        flat = torch.zeros(micro.batch.num_tokens, dtype=torch.float32, device=self.device)
+        return flat.index_put((index[action],), ent)
+
+    def _token_logprobs(self, micro: Micro, output: torch.Tensor) -> torch.Tensor:
+        """log p(token t | tokens < t) for every token of the micro-batch as [T] (0 at each sequence's
+        first token), from the last stage's final hidden states through `lm_head.token_logprobs`."""
+        rows = micro.rows
+        hidden, valid = self._packed_hidden(micro, output)
         lp = token_logprobs(
             self.cfg.loss_impl,
             hidden,
@@ -191,7 +224,8 @@ class Trainer:
         lp = self._token_logprobs(micro, output)
         if micro.dummy:  # the whole graph, so that every parameter receives its (zero) gradient
             return lp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
-        loss, parts = loss_fn(micro.batch, lp, micro.positions)
+        entropy = self._token_entropy(micro, output) if self._entropy_mode else None
+        loss, parts = loss_fn(micro.batch, lp, micro.positions, entropy)
         for name, value in {"loss": loss, **parts}.items():
             if name == BEHAVIOUR_GAP and name in self._sums:
                 self._sums[name] = torch.maximum(self._sums[name], value.detach().double())
@@ -233,7 +267,7 @@ class Trainer:
         out = torch.zeros(pooled.num_tokens, dtype=torch.float32)
 
         def record(
-            micro: PackedBatch, lp: torch.Tensor, positions: torch.Tensor
+            micro: PackedBatch, lp: torch.Tensor, positions: torch.Tensor, _: torch.Tensor | None
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             out[positions] = lp.detach().cpu()
             return lp.sum() * 0.0, {}
@@ -247,6 +281,32 @@ class Trainer:
             comm.broadcast(out, last, "pipeline log-probs", self.cfg.collective_timeout_s, group)
         return out
 
+    def load_reference(self, model_dir: str | Path) -> None:
+        """Hold the HF weights of `model_dir` as the frozen reference policy: a second shard of this rank's
+        (TP, PP) layout, without gradients or optimizer state (all ranks together)."""
+        reference, _ = gpt_from_hf(model_dir, self.device, self.layout, self.cfg.sequence_parallel)
+        reference.return_hidden = True
+        reference.requires_grad_(False)
+        reference.eval()
+        self._reference = reference
+
+    @contextlib.contextmanager
+    def _as_reference(self) -> Iterator[None]:
+        saved = self.gpt, self.model
+        self.gpt = self.model = self._reference
+        try:
+            yield
+        finally:
+            self.gpt, self.model = saved
+
+    def _reference_logprobs(self, pooled: PackedBatch) -> torch.Tensor:
+        """The reference policy's per-token log-probs [T] (CPU, fp32) of a replica's batch, through the same
+        forward-only schedule as `logprobs`."""
+        if self._reference is None:
+            raise RuntimeError("a KL to the reference policy needs Trainer.load_reference first")
+        with self._as_reference():
+            return self._pooled_logprobs(pooled)
+
     @torch.no_grad()
     def logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """Per-token log-probs [T] (CPU, fp32) of the current weights for this rank's `batch` (all ranks
@@ -258,6 +318,12 @@ class Trainer:
     def _global_action_tokens(self, batch: PackedBatch) -> int:
         count = torch.tensor([float(batch.num_action_tokens)], dtype=torch.float64, device=self.device)
         return int(comm.all_reduce_sum(count, "action-token count", self.cfg.collective_timeout_s).item())
+
+    def _global_action_sequences(self, pooled: PackedBatch) -> int:
+        """The trajectories with an action token of all replicas' pooled batches."""
+        count = torch.tensor([float(_action_sequences(pooled))], dtype=torch.float64, device=self.device)
+        timeout = self.cfg.collective_timeout_s
+        return int(comm.all_reduce_sum(count, "sequence count", timeout, self._dp_group()).item())
 
     def _dp_group(self) -> Any:
         from megatron.core import parallel_state
@@ -315,7 +381,7 @@ class Trainer:
         _check_denominator(denom, pooled)
 
         def nll(
-            micro: PackedBatch, lp: torch.Tensor, _: torch.Tensor
+            micro: PackedBatch, lp: torch.Tensor, _: torch.Tensor, __: torch.Tensor | None
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             mask = micro.action_mask.to(self.device)
             return -(torch.where(mask, lp, 0.0).sum() / denom), {}
@@ -339,15 +405,17 @@ class Trainer:
         action-token count (one all_reduce of the counts over the replicas). From the second update on
         the ratio moves away from 1, so the clip, the dual clip and the importance cap act. A minibatch
         empty on every replica is skipped by all. Metrics are means over the updates of the global token
-        means (loss, approx_kl, clip_fraction, dual_clip_fraction, is_capped_fraction, is_weight,
-        grad_norm), plus num_updates, num_tokens and num_action_tokens of the whole batch, step, and
-        max_abs_behaviour_log_ratio (the largest |proximal - behaviour| log-prob of an action token).
-        Every log-prob is log softmax(logits / `TrainerConfig.temperature`), the distribution the
-        rollout engines sampled from."""
+        means (loss, approx_kl, clip_fraction, dual_clip_fraction, is_capped_fraction, is_rejected_fraction,
+        is_weight, entropy (mean over action tokens), grad_norm), plus num_updates, num_tokens and
+        num_action_tokens of the whole batch, step, and max_abs_behaviour_log_ratio (the largest |proximal -
+        behaviour| log-prob of an action token). Every log-prob is log softmax(logits /
+        `TrainerConfig.temperature`), the distribution the rollout engines sampled from."""
         pooled, _ = self._pool(batch)
         _check_denominator(num_global_action_tokens, pooled)
+        reference = self._reference_logprobs(pooled) if loss_cfg.kl_coef else None
         if self.cfg.ppo_epochs == 1 and self.cfg.num_minibatches == 1:
-            update = self._policy_update(pooled, num_global_action_tokens, loss_cfg, None)
+            seqs = self._global_action_sequences(pooled) if loss_cfg.loss_agg != "token_mean" else None
+            update = self._policy_update(pooled, num_global_action_tokens, loss_cfg, None, seqs, reference)
             return update | {"num_updates": 1.0}
         proximal = self._pooled_logprobs(pooled)
         groups = [
@@ -355,16 +423,24 @@ class Trainer:
         ]
         groups += [[]] * (self.cfg.num_minibatches - len(groups))  # fewer sequences than minibatches
         local = [float(select(pooled, g).num_action_tokens) for g in groups] + [float(pooled.num_tokens)]
+        local += [float(_action_sequences(select(pooled, g))) for g in groups]
         counts = torch.tensor(local, dtype=torch.float64, device=self.device)
-        *per_group, num_tokens = comm.all_reduce_sum(
+        reduced = comm.all_reduce_sum(
             counts, "minibatch token counts", self.cfg.collective_timeout_s, self._dp_group()
         ).tolist()
+        per_group, num_tokens, seqs_per_group = (
+            reduced[: len(groups)],
+            reduced[len(groups)],
+            reduced[-len(groups) :],
+        )
         updates = []
         for _ in range(self.cfg.ppo_epochs):
-            for group, count in zip(groups, per_group, strict=True):
+            for group, count, seqs in zip(groups, per_group, seqs_per_group, strict=True):
                 if count > 0:
-                    mini, old = select(pooled, group), proximal[token_positions(pooled, group)]
-                    updates.append(self._policy_update(mini, int(count), loss_cfg, old))
+                    positions = token_positions(pooled, group)
+                    mini, old = select(pooled, group), proximal[positions]
+                    ref = None if reference is None else reference[positions]
+                    updates.append(self._policy_update(mini, int(count), loss_cfg, old, int(seqs), ref))
         metrics = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         metrics.update(
             num_tokens=num_tokens,
@@ -380,18 +456,36 @@ class Trainer:
         num_global_action_tokens: int,
         loss_cfg: LossConfig,
         proximal: torch.Tensor | None,
+        num_global_sequences: int | None = None,
+        reference: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step on the policy loss of a replica's `batch`; `proximal` [T] (None: the
-        current log-probs, detached)."""
+        current log-probs, detached); `num_global_sequences`: the step's trajectories with an action
+        token over all replicas (the denominator of the per-trajectory aggregations); `reference` [T]: the
+        reference policy's log-probs (the KL term; its token mean is reported as kl)."""
 
         def spo(
-            micro: PackedBatch, lp: torch.Tensor, positions: torch.Tensor
+            micro: PackedBatch, lp: torch.Tensor, positions: torch.Tensor, entropy: torch.Tensor | None
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             old = None if proximal is None else proximal[positions]
-            loss, diagnostics = policy_loss(lp, micro, loss_cfg, num_global_action_tokens, old)
-            return loss, diagnostics.summed() | {BEHAVIOUR_GAP: _behaviour_gap(micro, lp, old)}
+            ref = None if reference is None else reference[positions]
+            loss, diagnostics = policy_loss(
+                lp, micro, loss_cfg, num_global_action_tokens, old, num_global_sequences, entropy, ref
+            )
+            assert diagnostics.entropy is not None
+            parts = {
+                **diagnostics.summed(),
+                "entropy": diagnostics.entropy,
+                BEHAVIOUR_GAP: _behaviour_gap(micro, lp, old),
+            }
+            return loss, parts if diagnostics.kl is None else {**parts, "kl": diagnostics.kl}
 
-        return self._run_step(batch, spo, (*RL_METRICS, BEHAVIOUR_GAP))
+        self._entropy_mode = "grad" if loss_cfg.entropy_coef else "detached"
+        try:
+            names = (*RL_METRICS, "entropy", BEHAVIOUR_GAP, *(("kl",) if reference is not None else ()))
+            return self._run_step(batch, spo, names)
+        finally:
+            self._entropy_mode = None
 
     # ---- weights and checkpoints ---------------------------------------------------------------
     def reset_optimizer(self) -> None:
@@ -522,6 +616,11 @@ def _pick_device() -> torch.device:
         torch.backends.cudnn.allow_tf32 = True
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _action_sequences(batch: PackedBatch) -> int:
+    """The sequences of `batch` with at least one action token."""
+    return int((action_tokens_per_sequence(batch.action_mask, batch.cu_seqlens) > 0).sum())
 
 
 def _check_denominator(num_global_action_tokens: int, batch: PackedBatch) -> None:

@@ -56,6 +56,19 @@ def main(argv: list[str]) -> None:
         ddp_bucket_elements=40_000,  # several buckets: the overlapped reduction runs bucket by bucket
     )
     trainer = Trainer(model_dir, cfg)
+    trainer.load_reference(model_dir)
+    # step 1: the default token-mean loss; step 2: per-trajectory aggregation, GSPO's sequence ratio, an
+    # entropy bonus and a KL to the reference (k1: its gradient does not vanish at the reference)
+    losses = (
+        LossConfig(),
+        LossConfig(
+            loss_agg="seq_mean_token_mean",
+            ratio_level="sequence",
+            entropy_coef=0.01,
+            kl_coef=0.05,
+            kl_estimator="k1",
+        ),
+    )
     result: dict[str, object] = {"metrics": [], "weights": []}
     for step, seed in enumerate((11, 12), start=1):
         if step == 1 and load_from:
@@ -63,7 +76,7 @@ def main(argv: list[str]) -> None:
             continue
         batch = global_batch(trainer.config.vocab_size, seed)
         shard = split_across_ranks(batch, world)[rank]  # type: ignore[arg-type]
-        metrics = trainer.rl_step(shard, batch.num_action_tokens, LossConfig())  # type: ignore[attr-defined]
+        metrics = trainer.rl_step(shard, batch.num_action_tokens, losses[step - 1])  # type: ignore[attr-defined]
         result["metrics"].append(metrics)  # type: ignore[attr-defined]
         whole = trainer.hf_state_dict()
         result["weights"].append(whole)  # type: ignore[attr-defined]
