@@ -50,7 +50,7 @@ KERNEL=(bash -c "\"\$0\" launch.py bench kernel --device cuda --json \"\$1/kerne
 --warmup 2 && \"\$0\" -m pytest -p no:cacheprovider -q -rs -m gpu tests/test_kernels_policy_loss.py \
 tests/test_kernels_bench.py >\"\$1/kernel/pytest_kernel.txt\" 2>&1" "$PY" "$OUT")
 TRAINER=(bash -c "\"\$0\" -m pytest -p no:cacheprovider -q -rs -x ${TRAIN_TESTS[*]} >\"\$1/trainer/pytest_trainer.txt\" \
-2>&1; rc=\$?; \"\$0\" scripts/gpu_train_memory.py --precision bf16 --out \"\$1/trainer/train_memory.json\" \
+2>&1; rc=\$?; \"\$0\" scripts/gpu_train_memory.py --precision bf16 --repeats 2 --out \"\$1/trainer/train_memory.json\" \
 >\"\$1/trainer/train_memory.txt\" 2>&1 && exit \$rc" "$PY" "$OUT")
 RUN3=(bash -c "\"\$0\" launch.py envs prepare && \"\$0\" launch.py run configs/local.toml rollout.engine=vllm \
 roles.rollout.gpus_per_rank=1 roles.trainer.gpus_per_rank=1 cluster.share_gpus=true controller.num_steps=3 \
