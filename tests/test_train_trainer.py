@@ -14,6 +14,10 @@ from rollart_hpc.train.batch import PackedBatch, from_sequences, micro_batch_gro
 from rollart_hpc.train.config import OptimConfig, TrainerConfig
 from rollart_hpc.train.trainer import Trainer
 
+# Against transformers on the CPU: the trainer on CUDA runs fp32 matmuls in TF32 (10-bit mantissa), which
+# moves a log-prob by a few 1e-4 (3e-4 measured on an H200); on the CPU both are fp32.
+HF_LOGPROB_ATOL = 2e-3 if torch.cuda.is_available() else 1e-5
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
@@ -97,7 +101,7 @@ def test_logprobs_match_transformers(model_dir: Path) -> None:
         with torch.no_grad():
             ref = torch.log_softmax(hf(ids[None]).logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]
         assert ours[lo] == 0.0
-        assert float((ours[lo + 1 : hi] - ref).abs().max()) < 1e-5
+        assert float((ours[lo + 1 : hi] - ref).abs().max()) < HF_LOGPROB_ATOL
 
 
 def test_rl_step_logs_the_action_token_entropy_of_transformers_logits(model_dir: Path) -> None:
@@ -119,7 +123,7 @@ def test_rl_step_logs_the_action_token_entropy_of_transformers_logits(model_dir:
     metrics = trainer.rl_step(
         _with_behaviour(batch, trainer.logprobs(batch)), batch.num_action_tokens, LossConfig()
     )
-    assert metrics["entropy"] == pytest.approx(expected, rel=1e-5)
+    assert metrics["entropy"] == pytest.approx(expected, rel=1e-5, abs=HF_LOGPROB_ATOL / 10)
 
 
 def test_kl_to_the_reference_is_zero_while_the_policy_equals_it(model_dir: Path) -> None:
@@ -331,7 +335,7 @@ def test_hf_export_round_trips_through_transformers(model_dir: Path, tmp_path: P
     with torch.no_grad():
         ref = torch.log_softmax(hf(ids[None]).logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]
     ours = trainer.logprobs(batch)[1:15]
-    assert float((ours - ref).abs().max()) < 1e-5
+    assert float((ours - ref).abs().max()) < HF_LOGPROB_ATOL
 
 
 def test_a_collective_that_times_out_names_the_peers(model_dir: Path) -> None:
@@ -491,7 +495,7 @@ def test_rl_logprobs_are_taken_at_the_sampling_temperature(model_dir: Path, impl
         with torch.no_grad():
             logits = hf(ids[None]).logits[0, :-1] / 0.7
         ref = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0]
-        assert float((ours[lo + 1 : hi] - ref).abs().max()) < 1e-5
+        assert float((ours[lo + 1 : hi] - ref).abs().max()) < HF_LOGPROB_ATOL
     assert float((ours - trainer(1.0).logprobs(batch)).abs().max()) > 1e-2
     sampled = _with_behaviour(batch, ours)
     assert hot.rl_step(sampled, batch.num_action_tokens, LossConfig())["max_abs_behaviour_log_ratio"] < 1e-5
