@@ -2,7 +2,8 @@
 workers it starts under queue pressure and stops when idle (scale to zero).
 
 Dataflow: `score(traj)` (or `score_input(inp)`, what the reward service calls) picks the function
-registered for the family (or the override in `RewardPoolConfig.fn_for_family`), waits for a free worker
+registered for the family (or the override in `RewardPoolConfig.fn_for_family`: a name or an import
+path, e.g. a `reward.functions` entry), waits for a free worker
 and runs the function there; an `async` function (an LLM judge) is awaited instead, at most
 `num_workers` at once. `score` writes `reward` and `success` into the trajectory; failed trajectories are
 not scored (reward 0).
@@ -51,6 +52,7 @@ class RewardPoolConfig:
     idle_shutdown_s: float = 30.0
     scale_up_queue: int = 1
     fn_for_family: dict[str, str] = field(default_factory=dict)
+    python_path: tuple[str, ...] = ()  # where the modules of import-path functions are imported from
     max_attempts: int = 3
     fault_prob: float = 0.0
     fault_seed: int = 0
@@ -159,7 +161,7 @@ class RewardPool:
     async def score_input(self, inp: RewardInput, errors: list[str] | None = None) -> RewardOutput | None:
         """The reward of one input, or None after `max_attempts` failed calls (each named in `errors`)."""
         errors = [] if errors is None else errors
-        fn = reward_fn(self.cfg.fn_for_family.get(inp.family, inp.family))
+        fn = reward_fn(self.cfg.fn_for_family.get(inp.family, inp.family), self.cfg.python_path)
         self._inflight += 1
         try:
             out = await self._call_with_retries(fn, inp, errors)

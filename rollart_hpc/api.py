@@ -1,0 +1,64 @@
+"""The plug-in surface: what a run's own environment families, task sets and reward functions implement.
+
+A run names its own code by import path ("package.module:attribute"); `run.python_path` lists the
+directories (relative to the config file) that every rank and its env and reward workers import it from.
+
+Families (`[[envs.plugins]]`, and their names in `envs.families`)::
+
+    [[envs.plugins]]
+    name = "wordle"                           # the prefix of every task id: "wordle/..."
+    factory = "wordle_game:make_family"       # factory(**options) -> Family
+    options = { num_words = 12 }
+
+The factory returns a `Family`: `name`; `tasks()` the training tasks (a non-empty list of `Task`, each of
+this family, id "name/rest"); `heldout_tasks(n)` up to `n` evaluation tasks never among `tasks()`;
+`task(id)` either kind by id; `make_env()` a fresh `Env`; `oracle(id)` the replies that win task `id`
+(used for the warm start and the tiny model's tokenizer). Families are rebuilt from their spec in every
+process (env workers play each episode in a child process), so the factory must be deterministic.
+
+An `Env` plays one episode at a time: `reset(task_id) -> observation`, then `step(reply)` ->
+`(observation, reward, done, info)` until `done`, with `info["won"]` (bool) on every step; `close()`.
+An exception from an env ends that episode as failed (cause "error"), never the run.
+
+Reward functions (`[reward] functions = { wordle = "wordle_game:score" }`) follow `RewardFunction`:
+`fn(RewardInput) -> RewardOutput`, stateless (called in worker processes, possibly at once), or an
+`async` function. A family without one is rewarded by its env's verdict (`env_won`).
+
+Task sets from files (`[[envs.datasets]]`) and text Gymnasium envs (`gymnasium_family`) need no code of
+the run's own beyond a `gymnasium.Env`; see the README's "Bring your own" section. Every bad import
+path, missing attribute or broken contract is reported in one line naming the config key when
+`launch.py run` starts (exit 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from rollart_hpc.tasks.families.calc_math import answer_matches, parse_action
+from rollart_hpc.tasks.registry import Family
+from rollart_hpc.tasks.rewards import RewardInput, RewardOutput, env_won
+from rollart_hpc.tasks.types import Env, Task
+
+__all__ = [
+    "Env",
+    "Family",
+    "FamilyFactory",
+    "RewardFunction",
+    "RewardInput",
+    "RewardOutput",
+    "Task",
+    "answer_matches",
+    "env_won",
+    "parse_action",
+]
+
+
+class FamilyFactory(Protocol):
+    """What `envs.plugins[].factory` names: called with the table's `options` as keywords."""
+
+    def __call__(self, **options: Any) -> Family: ...
+
+
+RewardFunction = Callable[[RewardInput], RewardOutput] | Callable[[RewardInput], Awaitable[RewardOutput]]
+"""What `reward.functions.<family>` names: the reward of one finished episode from what it recorded."""
