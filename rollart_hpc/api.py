@@ -24,8 +24,15 @@ Reward functions (`[reward] functions = { wordle = "wordle_game:score" }`) follo
 `fn(RewardInput) -> RewardOutput`, stateless (called in worker processes, possibly at once), or an
 `async` function. A family without one is rewarded by its env's verdict (`env_won`).
 
-Task sets from files (`[[envs.datasets]]`) and text Gymnasium envs (`gymnasium_family`) need no code of
-the run's own beyond a `gymnasium.Env`; see the README's "Bring your own" section. Every bad import
+A text `gymnasium.Env` (string observations and actions) becomes a family through `gymnasium_family`::
+
+    [[envs.plugins]]
+    name = "guess"
+    factory = "rollart_hpc.api:gymnasium_family"
+    options = { name = "guess", env = "guess_env:GuessEnv", oracle = "guess_env:solve", num_tasks = 16 }
+
+(task `guess/<seed>` is the episode `env.reset(seed=seed)` starts; see `GymTextFamily` for the options).
+Task sets from files (`[[envs.datasets]]`) need no code at all. Every bad import
 path, missing attribute or broken contract is reported in one line naming the config key when
 `launch.py run` starts (exit 2).
 """
@@ -36,6 +43,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from rollart_hpc.tasks.families.calc_math import answer_matches, parse_action
+from rollart_hpc.tasks.families.gym_text import gymnasium_family
 from rollart_hpc.tasks.registry import Family
 from rollart_hpc.tasks.rewards import RewardInput, RewardOutput, env_won
 from rollart_hpc.tasks.types import Env, Task
@@ -50,6 +58,7 @@ __all__ = [
     "Task",
     "answer_matches",
     "env_won",
+    "gymnasium_family",
     "parse_action",
 ]
 

@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-EXAMPLES = {"wordle": "wordle", "jsonl_tasks": "trivia"}
+EXAMPLES = {"wordle": "wordle", "jsonl_tasks": "trivia", "gym_text": "guess"}
 
 
 @pytest.mark.parametrize(("example", "family"), sorted(EXAMPLES.items()))
@@ -35,3 +35,4 @@ def test_example_runs_to_the_end_with_its_family_in_the_metrics(tmp_path, exampl
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step" in r and f"train_success/{family}" in r]
     assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(r["count/failed"] == 0 for r in steps)  # every episode played and scored
