@@ -290,3 +290,24 @@ def test_missing_dataset_file_is_a_usage_error(tmp_path):
     config = load_config(JSONL, [f"envs.datasets=[{{name='trivia', path='{tmp_path / 'none.jsonl'}'}}]"])
     with pytest.raises(UsageError, match=r"envs\.datasets\[0\]\.path: cannot read .*none\.jsonl"):
         _check(config)
+
+
+def test_reward_service_refuses_a_bad_reward_function_in_one_line(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch.py"),
+            "reward-service",
+            str(WORDLE),
+            "reward.functions={wordle='wordle_game:missing'}",
+            "--run-dir",
+            str(tmp_path / "service"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "reward.functions.wordle: 'wordle_game:missing'" in lines[0], lines
