@@ -43,12 +43,13 @@ def test_import_paths_fail_in_one_line_naming_what_is_wrong():
     assert load_object("json:dumps") is json.dumps
 
 
-def test_missing_factory_exits_2_with_one_line_naming_key_and_path(tmp_path):
+@pytest.mark.parametrize("command", [["run"], ["submit", "--dry-run"]])
+def test_missing_factory_exits_2_with_one_line_naming_key_and_path(tmp_path, command):
     result = subprocess.run(
         [
             sys.executable,
             str(REPO / "launch.py"),
-            "run",
+            *command,
             str(WORDLE),
             "envs.plugins=[{name='wordle', factory='my_pkg.missing:make_family'}]",
             "--run-dir",

@@ -145,6 +145,7 @@ def main(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     plan = make_plan(config.roles)
     check_options(args)
+    check_own_code(config)
     run_dir = Path(args.run_dir or f"runs/{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     check_run_dir(run_dir)
     spec = job_spec(config, run_dir, args.time_min, args.max_requeues)
@@ -164,6 +165,14 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-requeues must be >= 0, got {args.max_requeues}")
     if args.out and not args.dry_run:
         raise UsageError("--out writes the job script instead of submitting it: add --dry-run")
+
+
+def check_own_code(config: Any) -> None:
+    """The run's own families, reward functions and task files, checked before anything is submitted."""
+    from rollart_hpc.tasks.checks import check_own_code as check
+
+    for line in check(config.envs, config.reward, config.run.python_path):
+        print(line, flush=True)
 
 
 def require_slurm() -> None:
