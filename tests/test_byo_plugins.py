@@ -312,3 +312,10 @@ def test_reward_service_refuses_a_bad_reward_function_in_one_line(tmp_path):
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "reward.functions.wordle: 'wordle_game:missing'" in lines[0], lines
+
+
+def test_num_heldout_of_an_own_family_is_any_count_from_zero():
+    envs = {"families": ["w"], "plugins": [{"name": "w", "factory": "a:b"}]}
+    assert build(Config, {"envs": {**envs, "num_heldout": {"w": 40}}}).envs.heldout_count("w") == 40
+    with pytest.raises(UsageError, match=r"envs\.num_heldout\.w: must be >= 0, got -1"):
+        build(Config, {"envs": {**envs, "num_heldout": {"w": -1}}})

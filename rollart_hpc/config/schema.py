@@ -268,8 +268,10 @@ class FaultsConfig:
 # names none. Neither the warm start nor the task sampler ever sees them.
 HELDOUT_MAX: dict[str, int] = {"household": 16, "calc_math": 500, "frozenlake": 0}
 HELDOUT_DEFAULT: dict[str, int] = {"household": 16, "calc_math": 32, "frozenlake": 0}
+# An import path "package.module:attribute.sub", the one grammar of the config's and the loader's checks.
 IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 FAMILY_NAME = re.compile(r"[A-Za-z_][\w\-]*")
+DATASET_SYSTEM = "Answer the question. Reply <answer>your answer</answer>."
 
 
 def check_import_path(path: str, value: str) -> None:
@@ -321,9 +323,7 @@ class DatasetConfig:
     heldout_fraction: float = doc_field(
         0.0, "Without split_field: this fraction of rows (chosen by a hash of the prompt) is held out."
     )
-    system: str = doc_field(
-        "Answer the question. Reply <answer>your answer</answer>.", "System prompt of every task."
-    )
+    system: str = doc_field(DATASET_SYSTEM, "System prompt of every task.")
 
     def validate(self, path: str) -> None:
         check_family_name(f"{path}.name", self.name)
@@ -383,9 +383,12 @@ class EnvsConfig:
         for name, count in self.num_heldout.items():
             if name not in self.families:
                 raise UsageError(f"{path}.num_heldout.{name}: family not in {path}.families")
-            most = HELDOUT_MAX.get(name, 0) if name in FAMILY_NAMES else count
-            if not 0 <= count <= most:
-                raise UsageError(f"{path}.num_heldout.{name}: must be in [0, {most}], got {count}")
+            if name not in FAMILY_NAMES and count < 0:  # a run's own family: any count, as many as it has
+                raise UsageError(f"{path}.num_heldout.{name}: must be >= 0, got {count}")
+            if name in FAMILY_NAMES and not 0 <= count <= HELDOUT_MAX.get(name, 0):
+                raise UsageError(
+                    f"{path}.num_heldout.{name}: must be in [0, {HELDOUT_MAX.get(name, 0)}], got {count}"
+                )
         own = self.own_families
         for name in self.families:
             if name not in FAMILY_NAMES and name not in own:

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from rollart_hpc.config.schema import IMPORT_PATH
+
 
 class PluginError(Exception):
     """An import path that does not name a usable object (one line)."""
@@ -27,10 +29,9 @@ def add_python_path(dirs: Iterable[str]) -> None:
 
 def split_path(path: str) -> tuple[str, str]:
     """'pkg.mod:attr.sub' -> ('pkg.mod', 'attr.sub'); anything else is a PluginError."""
-    module, sep, attr = path.partition(":")
-    parts = [*module.split("."), *attr.split(".")]
-    if not sep or not all(p.isidentifier() for p in parts):
+    if not IMPORT_PATH.fullmatch(path):
         raise PluginError(f"{path!r} is not an import path of the form 'package.module:attribute'")
+    module, _, attr = path.partition(":")
     return module, attr
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollart_hpc.config.schema import DATASET_SYSTEM
 from rollart_hpc.tasks.families.calc_math import answer_matches, parse_action
 from rollart_hpc.tasks.types import Task
 
@@ -166,7 +167,7 @@ class DatasetFamily:
         answer_field: str = "answer",
         split_field: str = "",
         heldout_fraction: float = 0.0,
-        system: str = "Answer the question. Reply <answer>your answer</answer>.",
+        system: str = DATASET_SYSTEM,
     ) -> None:
         self.name, self.system = name, system
         self.data = read_rows(path, prompt_field, answer_field, split_field, heldout_fraction)
