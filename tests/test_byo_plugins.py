@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing as mp
 import subprocess
@@ -15,6 +16,7 @@ from rollart_hpc.config.loader import build
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.reward.functions import reward_fn
+from rollart_hpc.reward.main import make_scorer
 from rollart_hpc.tasks.build import family_specs, heldout_tasks, own_family_rewards, run_tasks
 from rollart_hpc.tasks.checks import check_own_code
 from rollart_hpc.tasks.demos import run_oracle
@@ -319,3 +321,24 @@ def test_num_heldout_of_an_own_family_is_any_count_from_zero():
     assert build(Config, {"envs": {**envs, "num_heldout": {"w": 40}}}).envs.heldout_count("w") == 40
     with pytest.raises(UsageError, match=r"envs\.num_heldout\.w: must be >= 0, got -1"):
         build(Config, {"envs": {**envs, "num_heldout": {"w": -1}}})
+
+
+def test_reward_rank_scores_own_families_in_worker_processes(tmp_path):
+    config = load_config(WORDLE, ["reward.executor='process'", "reward.max_workers=1"])
+    secret = load_object("wordle_game:secret", config.run.python_path)
+    pool = make_scorer(config, 3, tmp_path)
+    assert pool.cfg.fn_for_family == {"wordle": "wordle_game:score"}
+    word = secret("wordle/2")
+    inputs = [
+        RewardInput("wordle/2", "wordle", (f"<guess>{word}</guess>",), 0.0, False),
+        RewardInput("wordle/2", "wordle", (f"<guess>{word[:4]}z</guess>",), 0.0, False),
+    ]
+
+    async def score_all() -> list:
+        return [await pool.score_input(inp) for inp in inputs]
+
+    try:
+        outs = asyncio.run(score_all())
+    finally:
+        pool.close()
+    assert [(o.reward, o.success) for o in outs] == [(1.0, True), (pytest.approx(0.4), False)]

@@ -88,16 +88,19 @@ def _process_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def _worker_init(environ: dict[str, str]) -> None:
-    """In a new process worker: die with the forkserver (which dies with the pool's owner), and take the
-    owner's environment of now, not the forkserver's of its start."""
+def _worker_init(environ: dict[str, str], python_path: tuple[str, ...] = ()) -> None:
+    """In a new process worker: die with the forkserver (which dies with the pool's owner), take the
+    owner's environment of now, not the forkserver's of its start, and import from `python_path` (where
+    the modules of import-path reward functions live)."""
     from rollart_hpc.cluster.lifetime import set_parent_death_signal
+    from rollart_hpc.tasks.plugins import add_python_path
 
     set_parent_death_signal()
     if os.getppid() == 1:  # the forkserver is already gone
         os._exit(1)
     os.environ.clear()
     os.environ.update(environ)
+    add_python_path(python_path)
 
 
 def _average(mean: float | None, value: float, weight: float = 0.2) -> float:
@@ -255,7 +258,10 @@ class RewardPool:
             executor: Executor
             if self.cfg.executor == "process":
                 executor = ProcessPoolExecutor(
-                    1, mp_context=_process_context(), initializer=_worker_init, initargs=(dict(os.environ),)
+                    1,
+                    mp_context=_process_context(),
+                    initializer=_worker_init,
+                    initargs=(dict(os.environ), self.cfg.python_path),
                 )
             else:
                 executor = ThreadPoolExecutor(1)
