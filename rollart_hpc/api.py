@@ -24,6 +24,9 @@ Reward functions (`[reward] functions = { wordle = "wordle_game:score" }`) follo
 `fn(RewardInput) -> RewardOutput`, stateless (called in worker processes, possibly at once), or an
 `async` function. A family without one is rewarded by its env's verdict (`env_won`).
 
+The agent that plays each episode follows `Agent` (the built-in `run_episode`); an env is driven through
+`AsyncEnv` (a child process per env slot) and turns are generated through `LLMClient`.
+
 A text `gymnasium.Env` (string observations and actions) becomes a family through `gymnasium_family`::
 
     [[envs.plugins]]
@@ -42,14 +45,28 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from rollart_hpc.contracts.generation import LLMClient, RequestOutput, SamplingParams
+from rollart_hpc.contracts.records import Trajectory
+from rollart_hpc.tasks.agent_loop import AgentConfig, run_episode
+from rollart_hpc.tasks.chat import ChatTokens
 from rollart_hpc.tasks.families.calc_math import answer_matches, parse_action
 from rollart_hpc.tasks.families.gym_text import gymnasium_family
 from rollart_hpc.tasks.registry import Family
 from rollart_hpc.tasks.rewards import RewardInput, RewardOutput, env_won
-from rollart_hpc.tasks.types import Env, Task
+from rollart_hpc.tasks.types import AsyncEnv, Env, EnvError, StepResult, Task
 
 __all__ = [
+    "Agent",
+    "AgentConfig",
+    "AsyncEnv",
+    "ChatTokens",
     "Env",
+    "EnvError",
+    "LLMClient",
+    "RequestOutput",
+    "SamplingParams",
+    "StepResult",
+    "Trajectory",
     "Family",
     "FamilyFactory",
     "RewardFunction",
@@ -60,6 +77,7 @@ __all__ = [
     "env_won",
     "gymnasium_family",
     "parse_action",
+    "run_episode",
 ]
 
 
@@ -71,3 +89,24 @@ class FamilyFactory(Protocol):
 
 RewardFunction = Callable[[RewardInput], RewardOutput] | Callable[[RewardInput], Awaitable[RewardOutput]]
 """What `reward.functions.<family>` names: the reward of one finished episode from what it recorded."""
+
+
+class Agent(Protocol):
+    """The signature of an agent: play `task` to its end through `env` (reset, then one step per reply),
+    generating every reply with `client` (token ids in; sampled ids, their log-probs and policy versions
+    out) under `chat`'s template and `cfg`'s limits, and record the episode in `traj` (returned). The
+    built-in agent is `run_episode` (`rollart_hpc.tasks.agent_loop`), which env ranks run for every episode."""
+
+    async def __call__(
+        self,
+        task: Task,
+        env: AsyncEnv,
+        client: LLMClient,
+        chat: ChatTokens,
+        cfg: AgentConfig,
+        traj: Trajectory,
+    ) -> Trajectory: ...
+
+
+BUILTIN_AGENT: Agent = run_episode
+"""The agent of every run (mypy checks that it follows `Agent`)."""

@@ -342,3 +342,13 @@ def test_reward_rank_scores_own_families_in_worker_processes(tmp_path):
     finally:
         pool.close()
     assert [(o.reward, o.success) for o in outs] == [(1.0, True), (pytest.approx(0.4), False)]
+
+
+def test_the_api_module_exports_its_surface_and_imports_nothing_heavy():
+    code = (
+        "import sys, rollart_hpc.api as api\n"
+        "assert all(hasattr(api, name) for name in api.__all__)\n"
+        "print(sorted(m for m in ('torch', 'gymnasium', 'transformers', 'mpi4py') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
