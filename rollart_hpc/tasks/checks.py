@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from rollart_hpc.config.schema import EnvsConfig, RewardConfig
+from rollart_hpc.config.schema import DatasetConfig, EnvsConfig, RewardConfig
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.tasks.families.dataset import DatasetError, read_rows
 from rollart_hpc.tasks.plugins import PluginError, add_python_path, load_callable
@@ -92,7 +92,8 @@ def check_reward_fn(key: str, path: str) -> None:
         pass
 
 
-def dataset_summary(key: str, dataset: Any) -> str:
+def dataset_summary(key: str, dataset: DatasetConfig) -> str:
+    """The summary line of one task file (its tasks and malformed rows); an unreadable one is an error."""
     try:
         rows = read_rows(
             dataset.path,
