@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from rollart_hpc.contracts.records import Trajectory
-from rollart_hpc.reward import functions
 from rollart_hpc.reward.functions import REWARD_FNS, RewardInput, RewardOutput, reward_fn
 from rollart_hpc.reward.pool import RewardPool, RewardPoolConfig
+from rollart_hpc.tasks.families import calc_math
 from rollart_hpc.tasks.families.calc_math import generate_problem
 
 
@@ -33,11 +33,9 @@ def test_calc_math_reward_recomputes_the_gold_answer() -> None:
         "calc_math/0009", "calc_math", ("<calc>1</calc>", f"<answer>{gold}</answer>"), 0.0, False
     )
     wrong = RewardInput("calc_math/0009", "calc_math", (f"<answer>{gold + 1}</answer>",), 1.0, True)
-    assert functions.calc_math_answer(right) == RewardOutput(1.0, True)
-    assert functions.calc_math_answer(wrong) == RewardOutput(0.0, False)  # the env's claim is not trusted
-    assert (
-        functions.calc_math_answer(RewardInput("calc_math/0009", "calc_math", (), 0.0, False)).reward == 0.0
-    )
+    assert calc_math.score(right) == RewardOutput(1.0, True)
+    assert calc_math.score(wrong) == RewardOutput(0.0, False)  # the env's claim is not trusted
+    assert calc_math.score(RewardInput("calc_math/0009", "calc_math", (), 0.0, False)).reward == 0.0
 
 
 def test_pool_scores_concurrently_and_skips_failed() -> None:

@@ -6,6 +6,7 @@ Cross-role invariants live here and nowhere else. Roles read `config.resolved.to
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,11 +23,24 @@ RL_SECTIONS = ("model", "rollout", "envs", "reward", "algo", "trainer", "control
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """Read a TOML file, apply dotted overrides, build and validate the typed tree."""
+    """Read a TOML file, apply dotted overrides, build and validate the typed tree; relative file paths
+    of the run's own code and data (run.python_path, envs.datasets[].path) become absolute, taken from
+    the config file's directory."""
     data = apply_overrides(load_toml(Path(path)), overrides)
-    config = build(Config, data)
+    config = anchor_paths(build(Config, data), Path(path).resolve().parent)
     check_invariants(config)
     return config
+
+
+def anchor_paths(config: Config, base: Path) -> Config:
+    """`config` with run.python_path and envs.datasets[].path made absolute against `base`."""
+    python_path = [str((base / p).resolve()) for p in config.run.python_path]
+    datasets = [dataclasses.replace(d, path=str((base / d.path).resolve())) for d in config.envs.datasets]
+    return dataclasses.replace(
+        config,
+        run=dataclasses.replace(config.run, python_path=python_path),
+        envs=dataclasses.replace(config.envs, datasets=datasets),
+    )
 
 
 def check_invariants(config: Config) -> None:

@@ -7,10 +7,11 @@ the selected `run.job` must be left at their defaults: an option with no effect 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from rollart_hpc.config.choices import (
     CALC_MAX_OPS,
@@ -44,6 +45,11 @@ class RunConfig:
         "evaluates a checkpoint (written by `launch.py eval`, not set by hand).",
     )
     seed: int = doc_field(0, "Global seed; every rank derives its own from it.")
+    python_path: list[str] = doc_field(
+        [],
+        "Directories put first on sys.path of every rank and of its env and reward workers, so that the "
+        "modules of envs.plugins and reward.functions import (relative to the config file's directory).",
+    )
 
     def validate(self, path: str) -> None:
         if not self.name or any(c in self.name for c in "/\\\n"):
@@ -353,11 +359,91 @@ class FaultsConfig:
 # names none. Neither the warm start nor the task sampler ever sees them.
 HELDOUT_MAX: dict[str, int] = {"household": 16, "calc_math": 500, "frozenlake": 0}
 HELDOUT_DEFAULT: dict[str, int] = {"household": 16, "calc_math": 32, "frozenlake": 0}
+# An import path "package.module:attribute.sub", the one grammar of the config's and the loader's checks.
+IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+FAMILY_NAME = re.compile(r"[A-Za-z_][\w\-]*")
+DATASET_SYSTEM = "Answer the question. Reply <answer>your answer</answer>."
+
+
+def check_import_path(path: str, value: str) -> None:
+    """`value` must read 'package.module:attribute' (whether it imports is checked when a run starts)."""
+    if not IMPORT_PATH.fullmatch(value):
+        raise UsageError(f"{path}: {value!r} is not an import path of the form 'package.module:attribute'")
+
+
+def check_family_name(path: str, name: str) -> None:
+    if not FAMILY_NAME.fullmatch(name) or name in FAMILY_NAMES:
+        raise UsageError(
+            f"{path}: {name!r} must be a new family name (letters, digits, _ or -), not a built-in one"
+        )
+
+
+@dataclass(frozen=True)
+class PluginFamilyConfig:
+    """One [[envs.plugins]] table: a family of the run's own, made by a factory named by import path."""
+
+    name: str = doc_field("", "Family name, the prefix of its task ids; list it in envs.families too.")
+    factory: str = doc_field(
+        "",
+        "Import path 'package.module:callable' of the factory: factory(**options) -> rollart_hpc.api.Family.",
+    )
+    options: dict[str, Any] = doc_field({}, "Keyword options of the factory (any TOML values).")
+
+    def validate(self, path: str) -> None:
+        check_family_name(f"{path}.name", self.name)
+        check_import_path(f"{path}.factory", self.factory)
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """One [[envs.datasets]] table: single-turn question answering tasks read from a file, each answer
+    checked like calc_math's (numbers within 1e-6, else text up to case and spaces)."""
+
+    name: str = doc_field(
+        "", "Family name of the tasks, the prefix of their ids; list it in envs.families too."
+    )
+    path: str = doc_field(
+        "",
+        "A .jsonl file (one JSON object per line) or .parquet (needs pyarrow), relative to the config file.",
+    )
+    prompt_field: str = doc_field("prompt", "Field holding the question text.")
+    answer_field: str = doc_field("answer", "Field holding the gold answer (a number or a text).")
+    split_field: str = doc_field(
+        "", "Field naming each row's split: 'train', or 'test' / 'heldout' for held-out rows ('' = none)."
+    )
+    heldout_fraction: float = doc_field(
+        0.0, "Without split_field: this fraction of rows (chosen by a hash of the prompt) is held out."
+    )
+    system: str = doc_field(DATASET_SYSTEM, "System prompt of every task.")
+
+    def validate(self, path: str) -> None:
+        check_family_name(f"{path}.name", self.name)
+        if Path(self.path).suffix not in (".jsonl", ".parquet"):
+            raise UsageError(f"{path}.path: {self.path!r} must end in .jsonl or .parquet")
+        if Path(self.path).suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
+            raise UsageError(
+                f"{path}.path: reading .parquet needs the pyarrow package, which is not installed"
+            )
+        if not self.prompt_field or not self.answer_field:
+            raise UsageError(f"{path}: prompt_field and answer_field must be non-empty")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise UsageError(f"{path}.heldout_fraction: must be in [0, 1), got {self.heldout_fraction}")
+        if self.split_field and self.heldout_fraction:
+            raise UsageError(f"{path}.heldout_fraction: set split_field or heldout_fraction, not both")
 
 
 @dataclass(frozen=True)
 class EnvsConfig:
-    families: list[str] = doc_field(["household", "calc_math"], "Task families of the multi-task mix.")
+    families: list[str] = doc_field(
+        ["household", "calc_math"],
+        "Task families of the multi-task mix: built-in names and the names of envs.plugins / envs.datasets.",
+    )
+    plugins: list[PluginFamilyConfig] = doc_field(
+        [], "Families of the run's own, each made by a factory named by import path ([[envs.plugins]])."
+    )
+    datasets: list[DatasetConfig] = doc_field(
+        [], "Question answering task sets read from .jsonl / .parquet files ([[envs.datasets]])."
+    )
     num_tasks: dict[str, int] = doc_field({}, "Tasks used per family (absent = all of the family).")
     calc_max_ops: int = doc_field(2, "calc_math: most operations per problem (difficulty).")
     household_types: list[str] = doc_field([], "household: quest types to keep (empty = all types).")
@@ -379,18 +465,36 @@ class EnvsConfig:
         """Held-out tasks of `family` in this run (before the household type / calc_math ops filters)."""
         return self.num_heldout.get(family, HELDOUT_DEFAULT.get(family, 0))
 
+    @property
+    def own_families(self) -> list[str]:
+        """The names of envs.plugins and envs.datasets, in that order."""
+        return [p.name for p in self.plugins] + [d.name for d in self.datasets]
+
     def validate(self, path: str) -> None:
         for name, count in self.num_heldout.items():
             if name not in self.families:
                 raise UsageError(f"{path}.num_heldout.{name}: family not in {path}.families")
-            if not 0 <= count <= HELDOUT_MAX.get(name, 0):
+            if name not in FAMILY_NAMES and count < 0:  # a run's own family: any count, as many as it has
+                raise UsageError(f"{path}.num_heldout.{name}: must be >= 0, got {count}")
+            if name in FAMILY_NAMES and not 0 <= count <= HELDOUT_MAX.get(name, 0):
                 raise UsageError(
                     f"{path}.num_heldout.{name}: must be in [0, {HELDOUT_MAX.get(name, 0)}], got {count}"
                 )
+        own = self.own_families
         for name in self.families:
-            if name not in FAMILY_NAMES:
+            if name not in FAMILY_NAMES and name not in own:
                 raise UsageError(
-                    f"{path}.families: {name!r} is not one of {', '.join(map(repr, FAMILY_NAMES))}"
+                    f"{path}.families: {name!r} is not one of {', '.join(map(repr, FAMILY_NAMES))} "
+                    f"nor a name of {path}.plugins / {path}.datasets"
+                )
+        for index, name in enumerate(own):
+            plugin = index < len(self.plugins)
+            where = f"{path}.plugins[{index}]" if plugin else f"{path}.datasets[{index - len(self.plugins)}]"
+            if name in own[:index]:
+                raise UsageError(f"{where}.name: {name!r} is named twice in {path}.plugins / {path}.datasets")
+            if name not in self.families:
+                raise UsageError(
+                    f"{where}.name: {name!r} is not in {path}.families (it would have no effect)"
                 )
         for kind in self.household_types:
             if kind not in HOUSEHOLD_TYPES:
@@ -469,8 +573,16 @@ class RewardConfig:
         0.0, "Judge sampling temperature: 0 = greedy; above 0 each request is seeded from its input."
     )
     judge_num_slots: int = doc_field(16, "Judge engine slots: most judge requests decoded in one batch.")
+    functions: dict[str, str] = doc_field(
+        {},
+        "Reward function per family, by import path 'package.module:function' (RewardInput -> RewardOutput, "
+        "see rollart_hpc.api); a family absent here uses its registered one (envs.plugins and "
+        "envs.datasets: the env's verdict, info['won']).",
+    )
 
     def validate(self, path: str) -> None:
+        for family, fn in self.functions.items():
+            check_import_path(f"{path}.functions.{family}", fn)
         if self.max_score_attempts < 1:
             raise UsageError(f"{path}.max_score_attempts: must be >= 1, got {self.max_score_attempts}")
         if not 0.0 <= self.fault_prob < 1.0:
@@ -608,3 +720,8 @@ class Config:
         if self.controller.redundancy > 1.0 and self.algo.estimator == "group":
             raise UsageError("controller.redundancy: the group estimator trains whole groups; leave it at 1")
         self.routing.check_pools([p.name for p in self.roles.pools()], self.envs.families)
+        for family in self.reward.functions:
+            if family not in self.envs.families:
+                raise UsageError(f"reward.functions.{family}: family not in envs.families")
+        if self.run.python_path and not (self.envs.plugins or self.reward.functions):
+            raise UsageError("run.python_path: set only with envs.plugins or reward.functions (no effect)")

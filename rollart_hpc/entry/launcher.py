@@ -89,6 +89,11 @@ def check_inputs(config: Config) -> None:
         from rollart_hpc.models.validate import check_model_dir
 
         check_model_dir(config.model.path)
+    if config.run.job in ("rl", "eval"):
+        from rollart_hpc.tasks.checks import check_own_code
+
+        for line in check_own_code(config.envs, config.reward, config.run.python_path):
+            print(line, flush=True)
     if config.run.job == "rl" and "household" in config.envs.families:
         from rollart_hpc.tasks.families.household_data import load_manifest
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,9 +57,20 @@ def main(args: argparse.Namespace) -> int:
             "--slurm: the job listens on its node's host name and a free port; drop --host/--port"
         )
     config = load_config(args.config, args.overrides)
+    check_reward_functions(config.reward, config.run.python_path)
     if args.slurm:
         return submit(args)
     return serve(config.reward, Path(args.run_dir), args.host, args.port, args.idle_exit_s)
+
+
+def check_reward_functions(reward: RewardConfig, python_path: Sequence[str]) -> None:
+    """Import the config's reward.functions (from run.python_path) now: a bad one is a one-line error."""
+    from rollart_hpc.tasks.checks import check_reward_fn
+    from rollart_hpc.tasks.plugins import add_python_path
+
+    add_python_path(python_path)
+    for family, path in reward.functions.items():
+        check_reward_fn(f"reward.functions.{family}", path)
 
 
 def submit(args: argparse.Namespace) -> int:

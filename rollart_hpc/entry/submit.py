@@ -151,6 +151,7 @@ def main(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     plan = make_plan(config.roles)
     check_options(args)
+    check_own_code(config)
     run_dir = Path(args.run_dir or f"runs/{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     check_run_dir(run_dir)
     spec = job_spec(config, run_dir, args.time_min, args.max_requeues)
@@ -185,6 +186,14 @@ def check_signal_lead(signal_lead_s: int, time_min: int) -> None:
         raise UsageError(
             f"cluster.signal_lead_s: {signal_lead_s} s is not below the time limit (--time-min {time_min})"
         )
+
+
+def check_own_code(config: Any) -> None:
+    """The run's own families, reward functions and task files, checked before anything is submitted."""
+    from rollart_hpc.tasks.checks import check_own_code as check
+
+    for line in check(config.envs, config.reward, config.run.python_path):
+        print(line, flush=True)
 
 
 def require_slurm() -> None:

@@ -24,6 +24,7 @@ from rollart_hpc.config import read_resolved
 from rollart_hpc.config.schema import ClusterConfig, Config
 from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.contracts.rundir import RunLayout
+from rollart_hpc.tasks.plugins import add_python_path
 
 # job -> module with `main(config, world, run_dir)`: explicit, keyed by `run.job`.
 JOBS: dict[str, str] = {
@@ -83,6 +84,7 @@ def machine_gpu_count() -> int:
 
 def run_rank(run_dir: Path) -> int:
     config: Config = read_resolved(run_dir)
+    add_python_path(config.run.python_path)  # before any module of the run's own code is imported
     plan = make_plan(config.roles)
     world = make_world(
         plan, read_process_env(), config.cluster.peer_timeout_s, store_host(config.cluster.net)

@@ -181,7 +181,7 @@ class EnvRank:
 
 
 async def serve(config: Config, ctx: RunContext, tokenizer: PreTrainedTokenizerBase) -> float:
-    specs = family_specs(config.envs)
+    specs = family_specs(config.envs, config.run.python_path)
     evaluates = config.controller.eval_every_steps > 0 or config.run.job == "eval"
     tasks = playable_tasks(config.envs, heldout=evaluates)
     worker_config = EnvWorkerConfig.from_config(config.envs, config.run.seed)

@@ -1,71 +1,34 @@
-"""Stateless reward functions, one per env family, in a registry keyed by name.
+"""The reward functions of the reward role, keyed by name, and the lookup of a function by name or path.
 
-A reward function sees only a `RewardInput` (what the trajectory says happened) and returns a
-`RewardOutput`; it keeps no state, so any number of them may run concurrently in threads or processes.
-Rule-based functions are plain callables; an LLM judge can be registered as an `async` callable, which
-the pool awaits instead of sending to its executor.
+`REWARD_FNS` holds the built-in families' functions (from their registrations in
+`rollart_hpc.tasks.registry`); `reward_fn(name)` returns one of them, or, for an import path
+("package.module:function", e.g. a `reward.functions` entry), the function it names. The records a
+function sees and returns live in `rollart_hpc.tasks.rewards` (re-exported here and in `rollart_hpc.api`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+import functools
+from collections.abc import Iterable
 
-from rollart_hpc.contracts.records import Trajectory
+from rollart_hpc.tasks.plugins import load_callable
+from rollart_hpc.tasks.registry import BUILTIN_FAMILIES
+from rollart_hpc.tasks.rewards import RewardFn, RewardInput, RewardOutput, env_won
 
+__all__ = ["REWARD_FNS", "RewardFn", "RewardInput", "RewardOutput", "env_won", "reward_fn"]
 
-@dataclass(frozen=True)
-class RewardInput:
-    task_id: str
-    family: str
-    actions: tuple[str, ...]
-    env_return: float
-    env_won: bool
-
-    @classmethod
-    def of(cls, traj: Trajectory) -> RewardInput:
-        return cls(traj.task_id, traj.family, tuple(traj.actions), traj.env_return, traj.env_won)
+REWARD_FNS: dict[str, RewardFn] = {name: load_callable(e.reward) for name, e in BUILTIN_FAMILIES.items()}
 
 
-@dataclass(frozen=True)
-class RewardOutput:
-    reward: float
-    success: bool
+def reward_fn(name: str, python_path: Iterable[str] = ()) -> RewardFn:
+    """The function registered as `name`, or the one the import path `name` names."""
+    if name in REWARD_FNS:
+        return REWARD_FNS[name]
+    if ":" in name:
+        return _load(name, tuple(python_path))
+    raise KeyError(f"no reward function {name!r}; known: {', '.join(sorted(REWARD_FNS))}")
 
 
-RewardFn = Callable[[RewardInput], RewardOutput] | Callable[[RewardInput], Awaitable[RewardOutput]]
-
-
-def env_won(inp: RewardInput) -> RewardOutput:
-    """1.0 if the env reported a win (household, frozenlake)."""
-    return RewardOutput(1.0 if inp.env_won else 0.0, inp.env_won)
-
-
-def calc_math_answer(inp: RewardInput) -> RewardOutput:
-    """1.0 if the final reply holds `<answer>` equal to the gold answer, recomputed from the task id."""
-    from rollart_hpc.tasks.families.calc_math import (
-        answer_matches,
-        generate_problem,
-        parse_action,
-        parse_task_id,
-    )
-
-    if not inp.actions:
-        return RewardOutput(0.0, False)
-    kind, body = parse_action(inp.actions[-1])
-    gold = generate_problem(parse_task_id(inp.task_id)).answer
-    ok = kind == "answer" and answer_matches(body, gold)
-    return RewardOutput(1.0 if ok else 0.0, ok)
-
-
-REWARD_FNS: dict[str, RewardFn] = {
-    "household": env_won,
-    "frozenlake": env_won,
-    "calc_math": calc_math_answer,
-}
-
-
-def reward_fn(name: str) -> RewardFn:
-    if name not in REWARD_FNS:
-        raise KeyError(f"no reward function {name!r}; known: {', '.join(sorted(REWARD_FNS))}")
-    return REWARD_FNS[name]
+@functools.cache
+def _load(path: str, python_path: tuple[str, ...]) -> RewardFn:
+    return load_callable(path, python_path)  # type: ignore[no-any-return]

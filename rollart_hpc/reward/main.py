@@ -28,6 +28,7 @@ from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.contracts.records import RankStats, Ready, Trajectory
 from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.metrics.timeline import Timeline
+from rollart_hpc.tasks.build import own_family_rewards
 
 
 class Scorer(Protocol):
@@ -104,7 +105,8 @@ def make_scorer(config: Config, rank: int, run_dir: Path) -> Scorer:
     from rollart_hpc.reward.pool import RewardPool
     from rollart_hpc.reward.service import pool_config
 
-    return RewardPool(pool_config(reward, seed=config.run.seed + rank))
+    defaults = own_family_rewards(config.envs)
+    return RewardPool(pool_config(reward, config.run.seed + rank, defaults, config.run.python_path))
 
 
 def main(config: Config, ctx: RunContext, run_dir: Path) -> None:

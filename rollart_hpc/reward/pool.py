@@ -2,7 +2,8 @@
 workers it starts under queue pressure and stops when idle (scale to zero).
 
 Dataflow: `score(traj)` (or `score_input(inp)`, what the reward service calls) picks the function
-registered for the family (or the override in `RewardPoolConfig.fn_for_family`), waits for a free worker
+registered for the family (or the override in `RewardPoolConfig.fn_for_family`: a name or an import
+path, e.g. a `reward.functions` entry), waits for a free worker
 and runs the function there; an `async` function (an LLM judge) is awaited instead, at most
 `num_workers` at once. `score` writes `reward` and `success` into the trajectory; failed trajectories are
 not scored (reward 0).
@@ -51,6 +52,7 @@ class RewardPoolConfig:
     idle_shutdown_s: float = 30.0
     scale_up_queue: int = 1
     fn_for_family: dict[str, str] = field(default_factory=dict)
+    python_path: tuple[str, ...] = ()  # where the modules of import-path functions are imported from
     max_attempts: int = 3
     fault_prob: float = 0.0
     fault_seed: int = 0
@@ -86,16 +88,19 @@ def _process_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def _worker_init(environ: dict[str, str]) -> None:
-    """In a new process worker: die with the forkserver (which dies with the pool's owner), and take the
-    owner's environment of now, not the forkserver's of its start."""
+def _worker_init(environ: dict[str, str], python_path: tuple[str, ...] = ()) -> None:
+    """In a new process worker: die with the forkserver (which dies with the pool's owner), take the
+    owner's environment of now, not the forkserver's of its start, and import from `python_path` (where
+    the modules of import-path reward functions live)."""
     from rollart_hpc.cluster.lifetime import set_parent_death_signal
+    from rollart_hpc.tasks.plugins import add_python_path
 
     set_parent_death_signal()
     if os.getppid() == 1:  # the forkserver is already gone
         os._exit(1)
     os.environ.clear()
     os.environ.update(environ)
+    add_python_path(python_path)
 
 
 def _average(mean: float | None, value: float, weight: float = 0.2) -> float:
@@ -159,7 +164,7 @@ class RewardPool:
     async def score_input(self, inp: RewardInput, errors: list[str] | None = None) -> RewardOutput | None:
         """The reward of one input, or None after `max_attempts` failed calls (each named in `errors`)."""
         errors = [] if errors is None else errors
-        fn = reward_fn(self.cfg.fn_for_family.get(inp.family, inp.family))
+        fn = reward_fn(self.cfg.fn_for_family.get(inp.family, inp.family), self.cfg.python_path)
         self._inflight += 1
         try:
             out = await self._call_with_retries(fn, inp, errors)
@@ -253,7 +258,10 @@ class RewardPool:
             executor: Executor
             if self.cfg.executor == "process":
                 executor = ProcessPoolExecutor(
-                    1, mp_context=_process_context(), initializer=_worker_init, initargs=(dict(os.environ),)
+                    1,
+                    mp_context=_process_context(),
+                    initializer=_worker_init,
+                    initargs=(dict(os.environ), self.cfg.python_path),
                 )
             else:
                 executor = ThreadPoolExecutor(1)

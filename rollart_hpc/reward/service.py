@@ -24,7 +24,7 @@ import hmac
 import json
 import signal
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +49,13 @@ from rollart_hpc.reward.wire import (
 )
 
 
-def pool_config(cfg: RewardConfig, seed: int = 0) -> RewardPoolConfig:
+def pool_config(
+    cfg: RewardConfig, seed: int = 0, defaults: dict[str, str] | None = None, python_path: Sequence[str] = ()
+) -> RewardPoolConfig:
+    """The pool of `cfg`; `defaults`: reward functions of families absent from `cfg.functions`."""
     return RewardPoolConfig(
+        fn_for_family={**(defaults or {}), **cfg.functions},
+        python_path=tuple(python_path),
         num_workers=cfg.max_workers,
         executor=cfg.executor,
         idle_shutdown_s=cfg.idle_shutdown_s,

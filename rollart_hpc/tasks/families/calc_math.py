@@ -25,6 +25,7 @@ from typing import Any
 from rollart_hpc.config.choices import CALC_MAX_OPS
 from rollart_hpc.config.schema import HELDOUT_MAX
 from rollart_hpc.tasks.families.calculator import CalcError, evaluate, format_number
+from rollart_hpc.tasks.rewards import RewardInput, RewardOutput
 from rollart_hpc.tasks.types import Task
 
 FAMILY = "calc_math"
@@ -128,12 +129,27 @@ def parse_action(text: str) -> tuple[str, str]:
     return kind, body.strip()
 
 
-def answer_matches(body: str, gold: int) -> bool:
-    """True if `body` is a number equal to `gold` (within 1e-6)."""
+def answer_matches(body: str, gold: int | float | str) -> bool:
+    """True if `body` equals `gold`: as numbers within 1e-6 when `gold` is one (thousands commas
+    allowed), else as texts up to case and surrounding whitespace."""
     try:
-        return abs(float(body.replace(",", "")) - gold) < 1e-6
+        gold_number = float(str(gold).replace(",", ""))
+    except ValueError:
+        return " ".join(body.split()).casefold() == " ".join(str(gold).split()).casefold()
+    try:
+        return abs(float(body.replace(",", "")) - gold_number) < 1e-6
     except ValueError:
         return False
+
+
+def score(inp: RewardInput) -> RewardOutput:
+    """The calc_math reward: 1.0 if the final reply holds `<answer>` equal to the gold answer,
+    recomputed from the task id."""
+    if not inp.actions:
+        return RewardOutput(0.0, False)
+    kind, body = parse_action(inp.actions[-1])
+    ok = kind == "answer" and answer_matches(body, generate_problem(parse_task_id(inp.task_id)).answer)
+    return RewardOutput(1.0 if ok else 0.0, ok)
 
 
 class CalcMathEnv:
