@@ -122,7 +122,7 @@ def _reproduce(args: argparse.Namespace) -> int:
 def hardware_profile(config: Any, hardware: str, model: str) -> tuple[Any, Any]:
     """(scenario factory, profile) for `config` on `hardware`: every rollout rank one engine of that GPU,
     the trainer ranks one GPU each."""
-    from rollart_hpc.sim.hardware import HardwareProfile, GpuPool, TrainerLayout, parse_hardware, read_model
+    from rollart_hpc.sim.hardware import GpuPool, HardwareProfile, TrainerLayout, parse_hardware, read_model
     from rollart_hpc.sim.workload import Workload, sample
 
     parsed = parse_hardware(hardware)

@@ -245,6 +245,9 @@ class Simulation:
             "rollout": sum(e.busy_s for e in self.engines) / (wall * len(self.engines)),
             "trainer": self.trainer_busy_s / wall,
         }
+        for pool in self.scenario.pools:
+            engines = [e for e in self.engines if e.pool == pool.name]
+            busy[f"pool:{pool.name}"] = sum(e.busy_s for e in engines) / (wall * len(engines))
         trained = self.core.counts["trained"]
         outcome = Outcome(trained / wall, steady_step_s(self.trained_at), wall, trained, busy)
         outcome.mean_llm_s = float(np.mean(self.llm_s)) if self.llm_s else 0.0

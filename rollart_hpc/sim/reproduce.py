@@ -22,7 +22,7 @@ from typing import Any
 
 from rollart_hpc.config import load_config
 from rollart_hpc.plan.gpus import gpu_spec
-from rollart_hpc.sim.hardware import HardwareProfile, GpuPool, TrainerLayout, read_model
+from rollart_hpc.sim.hardware import GpuPool, HardwareProfile, TrainerLayout, read_model
 from rollart_hpc.sim.model import simulate
 from rollart_hpc.sim.workload import DECODE_HEAVY, PREFILL_HEAVY, Workload, sample
 
