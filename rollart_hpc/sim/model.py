@@ -20,6 +20,10 @@ Projections past the calibration machine (`sim.hardware`) add:
   least-loaded engine of a pool serving its family (every pool when none names it) and stays there;
 - batch-level env interaction (`Scenario.lockstep` k): episodes are grouped by dispatch order in groups of
   k, and no member starts turn i+1 before every member still running has finished its env step of turn i;
+- a reward pool (`RewardGpus`): a trajectory's reward is one request of its tokens to a reward model on
+  GPUs, before its `post_s`; dedicated (a fixed number of GPUs per job) or serverless (instances started on
+  demand after a cold start, shared by every job in the same SimPy environment, released after a
+  keep-alive without requests; utilisation = busy time over the instances' lifetimes);
 - `tokens_per_event` n: an engine advances up to n decode steps per simulated event (to the first request
   that finishes), so requests arriving meanwhile join up to n - 1 steps late (n = 1: exact).
 """
@@ -56,6 +60,80 @@ class PoolModel:
     families: tuple[str, ...] = ()
 
 
+class _Instance:
+    def __init__(self, env: simpy.Environment, ready_at: float) -> None:
+        self.started, self.ready_at = float(env.now), ready_at
+        self.gpu = simpy.Resource(env, 1)
+        self.queued = 0
+        self.idle_since = ready_at
+
+
+class RewardGpus:
+    """Reward-model GPUs: `gpus` fixed ones, or (gpus=0) serverless instances (see the module docstring).
+    A serverless request joins the warm instance with the shortest queue under `target_concurrency`, else
+    starts one; an instance scores its queue one request at a time (a prefill is compute-bound, so batching
+    would not shorten it)."""
+
+    def __init__(
+        self,
+        s_per_token: float,
+        gpus: int = 0,
+        cold_start_s: float = 0.0,
+        keep_alive_s: float = 0.0,
+        target_concurrency: int = 100,
+    ) -> None:
+        self.s_per_token, self.gpus = s_per_token, gpus
+        self.cold_start_s, self.keep_alive_s = cold_start_s, keep_alive_s
+        self.target_concurrency = target_concurrency
+        self.env: simpy.Environment | None = None
+        self.busy_s = self.lifetimes_s = self.started_at = 0.0
+        self.instances: list[_Instance] = []
+
+    def bind(self, env: simpy.Environment) -> None:
+        """Attach to a simulation's environment; a new environment starts the pool afresh."""
+        if self.env is not env:
+            self.env, self.busy_s, self.lifetimes_s, self.started_at = env, 0.0, 0.0, float(env.now)
+            self.instances = [_Instance(env, float(env.now)) for _ in range(self.gpus)]
+
+    def score(self, tokens: int) -> Generator[simpy.Event, Any, None]:
+        env = self.env
+        assert env is not None
+        self._expire()
+        open_ = [i for i in self.instances if self.gpus or i.queued < self.target_concurrency]
+        if open_:
+            instance = min(open_, key=lambda i: i.queued)
+        else:
+            instance = _Instance(env, float(env.now) + self.cold_start_s)
+            self.instances.append(instance)
+        instance.queued += 1
+        with instance.gpu.request() as slot:
+            yield slot
+            if env.now < instance.ready_at:
+                yield env.timeout(instance.ready_at - float(env.now))
+            took = tokens * self.s_per_token
+            yield env.timeout(took)
+        self.busy_s += took
+        instance.queued -= 1
+        instance.idle_since = float(env.now)
+
+    def _expire(self) -> None:
+        if self.gpus:
+            return
+        assert self.env is not None
+        now = float(self.env.now)
+        for i in [i for i in self.instances if not i.queued and now - i.idle_since > self.keep_alive_s]:
+            self.instances.remove(i)
+            self.lifetimes_s += i.idle_since + self.keep_alive_s - i.started
+
+    def utilisation(self, until: float) -> float:
+        """Busy time over the GPU time held: fixed GPUs for the whole span, or the instances' lifetimes."""
+        if self.gpus:
+            return self.busy_s / (self.gpus * (until - self.started_at))
+        self._expire()
+        held = self.lifetimes_s + sum(until - i.started for i in self.instances)
+        return self.busy_s / held if held > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class Scenario:
     """The pipeline to simulate: sizes and settings from a config, hardware relative to the profile's."""
@@ -67,6 +145,7 @@ class Scenario:
     pools: tuple[PoolModel, ...] = ()
     lockstep: int = 0
     tokens_per_event: int = 1
+    reward_pool: RewardGpus | None = None
 
     @property
     def num_tasks(self) -> int:
@@ -178,11 +257,18 @@ class Simulation:
     calibration recovers a known profile)."""
 
     def __init__(
-        self, scenario: Scenario, profile: Profile, seed: int = 0, trace: TraceWriter | None = None
+        self,
+        scenario: Scenario,
+        profile: Profile,
+        seed: int = 0,
+        trace: TraceWriter | None = None,
+        env: simpy.Environment | None = None,
     ) -> None:
         config = scenario.config
         self.scenario, self.profile = scenario, profile
-        self.env = simpy.Environment()
+        self.env = env or simpy.Environment()
+        if scenario.reward_pool is not None:
+            scenario.reward_pool.bind(self.env)
         self.rng = random.Random(seed)
         self.core = ControllerCore.from_config(
             config.controller, config.algo, [f"task{i:06d}" for i in range(scenario.num_tasks)], seed
@@ -238,8 +324,14 @@ class Simulation:
             self.kick.succeed()
 
     def run(self) -> Outcome:
-        self.env.process(self.controller())
+        self.start()
         self.env.run(until=self.finished)
+        return self.outcome()
+
+    def start(self) -> None:
+        self.env.process(self.controller())
+
+    def outcome(self) -> Outcome:
         wall = self.trained_at[-1]
         busy = {
             "rollout": sum(e.busy_s for e in self.engines) / (wall * len(self.engines)),
@@ -315,6 +407,8 @@ class Simulation:
                     group.leave()
                 else:
                     yield group.arrive(turn)
+        if self.scenario.reward_pool is not None:
+            yield self.env.process(self.scenario.reward_pool.score(shape.tokens))
         yield self.env.timeout(shape.post_s)
         if self.env.now < self.blocked_until:
             yield self.env.timeout(self.blocked_until - float(self.env.now))

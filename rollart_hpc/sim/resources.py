@@ -44,7 +44,7 @@ TP_CHOICES = (1, 2, 4, 8)
 
 
 @dataclass
-class Split:
+class GpuSplit:
     trainer_gpu: str
     trainer_gpus: int
     tp: int
@@ -70,7 +70,7 @@ def _config(tree: dict[str, Any]) -> Config:
     return config
 
 
-def candidate_tree(base: dict[str, Any], split: Split) -> dict[str, Any]:
+def candidate_tree(base: dict[str, Any], split: GpuSplit) -> dict[str, Any]:
     """The config tree of `split`: `base` with its pools, trainer and controller set."""
     tree = copy.deepcopy(base)
     roles = tree.setdefault("roles", {})
@@ -110,7 +110,7 @@ def sim_tree(tree: dict[str, Any], config: Config) -> dict[str, Any]:
     return out
 
 
-def _fit(base: dict[str, Any], split: Split) -> bool:
+def _fit(base: dict[str, Any], split: GpuSplit) -> bool:
     """Choose the trainer's tensor parallelism and the vLLM share by the memory plan; False if none fits."""
     for tp in TP_CHOICES:
         if split.trainer_gpus % tp:
@@ -138,7 +138,7 @@ def search(
     model: ModelShape,
     episodes: tuple[EpisodeShape, ...],
     seeds: int = 1,
-) -> tuple[list[Split], list[str]]:
+) -> tuple[list[GpuSplit], list[str]]:
     """Every feasible split, best throughput first, and the invariant failures met (module docstring)."""
     config = _config(base)
     by_type: dict[str, list[str]] = {}
@@ -149,8 +149,8 @@ def search(
     prefill_type = max(intensity, key=lambda k: intensity[k])
     has_families = any(e.family for e in episodes)
     total = dict((g.name, n) for g, n in gpus)
-    results: list[Split] = []
-    failures: dict[str, Split] = {}
+    results: list[GpuSplit] = []
+    failures: dict[str, GpuSplit] = {}
     for trainer_gpus in range(TRAINER_STEP, total[trainer_gpu.name] + 1, TRAINER_STEP):
         left = {**total, trainer_gpu.name: total[trainer_gpu.name] - trainer_gpus}
         if sum(left.values()) < 1:
@@ -160,7 +160,7 @@ def search(
             names = by_type.get(gpu, [gpu])
             for i, name in enumerate(names):  # a type's GPUs spread over its pools
                 pools[name] = (gpu, count // len(names) + (1 if i < count % len(names) else 0))
-        split = Split(trainer_gpu.name, trainer_gpus, 1, BOUNDS[0], pools)
+        split = GpuSplit(trainer_gpu.name, trainer_gpus, 1, BOUNDS[0], pools)
         if not _fit(base, split):
             continue
         specs = []
@@ -173,7 +173,7 @@ def search(
             )
         hw = HardwareProfile(model, tuple(specs), trainer_gpu, TrainerLayout(trainer_gpus, tp=split.tp))
         for bound in BOUNDS:
-            s = Split(trainer_gpu.name, trainer_gpus, split.tp, bound, pools, split.vllm_share)
+            s = GpuSplit(trainer_gpu.name, trainer_gpus, split.tp, bound, pools, split.vllm_share)
             sim_config = _config(sim_tree(candidate_tree(base, s), config))
             scenario, profile = hw.scenario(sim_config, episodes, tokens_per_event=32)
             try:
@@ -192,7 +192,7 @@ def search(
     return sorted(results, key=lambda s: -s.trajectories_per_s), sorted(failures)
 
 
-def write(base: dict[str, Any], split: Split, path: str | Path) -> None:
+def write(base: dict[str, Any], split: GpuSplit, path: str | Path) -> None:
     tree = candidate_tree(base, split)
     _config(tree)
     Path(path).write_text(tomli_w.dumps(tree))
