@@ -243,7 +243,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 def benchmarks_section(rows: list[dict[str, Any]]) -> str:
     return (f"\n## RollArt's results, projected ({DATE})\n\nProjected by the simulator, not measured "
             f"(`python launch.py simulate --reproduce rollart`; assumptions in `rollart_hpc/sim/reproduce.py`, "
-            f"`sim/hardware.py`, `sim/workload.py`).\n\n{table(rows)}\n")  # fmt: skip
+            f"`sim/hardware.py`, `sim/workload.py`). No parameter was set to meet a paper value: the "
+            f"efficiency factors are the public measurements named in `sim/hardware.py`, the task families' costs "
+            f"the model's own choices in `sim/workload.py`; a row outside 25% says why.\n\n{table(rows)}\n")  # fmt: skip
 
 
 def today() -> str:
