@@ -55,3 +55,16 @@ def test_resources_bad_input_is_one_line(argv, message, capsys):
 def test_write_without_resources_is_refused(capsys):
     assert cli.main(["plan", CONFIG, "--write", "x.toml"]) == 2
     assert "--resources" in capsys.readouterr().err
+
+
+def test_resources_takes_the_workload_from_a_measured_run(tmp_path, capsys):
+    from tests.test_simulate import traced_run
+
+    run_dir = tmp_path / "cal"
+    traced_run(run_dir)
+    code = cli.main(["plan", CONFIG, *SMALL, "--resources", "--hardware", "h800:16", "--model", MODEL,
+                     "--calibrate", str(run_dir), "--top", "2"])  # fmt: skip
+    assert code == 0
+    text = capsys.readouterr().out
+    assert f"episodes measured in {run_dir}" in text
+    assert "1. trainer 8 h800" in text and "compute=h800x8" in text

@@ -137,3 +137,34 @@ def test_lockstep_waits_for_every_running_member():
     assert not first.triggered
     group.leave()  # the third member finished its last turn: the other two go on
     assert first.triggered
+
+
+def test_simulate_projects_a_config_on_datasheet_hardware(tmp_path):
+    out = tmp_path / "proj.json"
+    tiny = str(REPO / "configs/tiny.toml")
+    code = cli.main(["simulate", tiny, "controller.num_steps=3", "--hardware", "h800", "--model", str(MODEL),
+                     "--modes", "sync,async", "--seeds", "1", "--json", str(out)])  # fmt: skip
+    assert code == 0
+    result = json.loads(out.read_text())
+    sync, async_ = result["projection"]
+    assert (
+        result["validation"] == [] and result["profile"]["prefill_s_per_token"] == 0.0
+    )  # costs in the pools
+    assert async_["trajectories_per_s"] > sync["trajectories_per_s"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--hardware", "h800:8"], "one GPU type without a count"),
+        (["--hardware", "h800"], "needs --model"),
+        (["--hardware", "h800", "--calibrate", "runs/x"], "exactly one of"),
+    ],
+)
+def test_simulate_hardware_usage_errors(argv, message, capsys):
+    args = ["simulate", str(REPO / "configs/tiny.toml"), *argv]
+    if message != "needs --model":
+        args += ["--model", str(MODEL)]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err
