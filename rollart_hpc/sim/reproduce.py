@@ -196,7 +196,10 @@ def reproduce(seeds: int = 2) -> list[dict[str, Any]]:
         seeds=seeds,
     )
     h800 = run(Cluster(h800=72 // s, h20=0, trainer=36 // s, affinity=False), "async", 1, seeds=seeds)
-    het = f"async bound 1, {64 // s} H800 + {24 // s} H20 vs {208 // s} H20 vs {72 // s} H800, half the GPUs train"
+    h800_cost, h20_cost = gpu_spec("h800").cost, gpu_spec("h20").cost
+    costs = (64 * h800_cost + 24 * h20_cost, 208 * h20_cost, 72 * h800_cost)
+    het = (f"async bound 1, {64 // s} H800 + {24 // s} H20 vs {208 // s} H20 vs {72 // s} H800, half the GPUs "
+           f"train; full-size cost {costs[0]:.0f} / {costs[1]:.0f} / {costs[2]:.0f} H20-hours per hour")  # fmt: skip
     rows.append(_row("(d) 64 H800 + 24 H20 over 208 H20", (1.30, 1.68), h20["step_s"] / mixed["step_s"], het))
     rows.append(
         _row("(d) 64 H800 + 24 H20 over 72 H800", (1.12, 1.37), h800["step_s"] / mixed["step_s"], het)
