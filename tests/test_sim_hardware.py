@@ -23,7 +23,7 @@ from rollart_hpc.sim.hardware import (
     read_model,
     trainer_step_s,
 )
-from rollart_hpc.sim.model import RewardGpus, _Lockstep
+from rollart_hpc.sim.model import RewardGpus, Simulation, _Lockstep
 from rollart_hpc.sim.workload import FAMILIES, Workload, sample_episode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,3 +168,20 @@ def test_simulate_hardware_usage_errors(argv, message, capsys):
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err
+
+
+def test_pools_serve_their_families_only():
+    from rollart_hpc.sim.hardware import GpuPool, HardwareProfile
+    from rollart_hpc.sim.reproduce import config
+    from rollart_hpc.sim.workload import sample
+
+    shape = read_model(MODEL)
+    pools = (
+        GpuPool("prefill", gpu_spec("h800"), 2, families=("swe",)),
+        GpuPool("decode", gpu_spec("h20"), 2, families=("gem_math",)),
+    )
+    hw = HardwareProfile(shape, pools, gpu_spec("h800"), TrainerLayout(2))
+    math_only = Workload(families=(FAMILIES["gem_math"],))
+    scenario, profile = hw.scenario(config("async", 1, batch=8), sample(math_only, 64), tokens_per_event=32)
+    busy = Simulation(scenario, profile).run().busy
+    assert busy["pool:prefill"] == 0.0 and busy["pool:decode"] > 0.0

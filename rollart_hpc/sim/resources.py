@@ -60,7 +60,8 @@ class GpuSplit:
         util = " ".join(f"{k.removeprefix('pool:')}={v:.0%}" for k, v in self.busy.items())
         return (
             f"trainer {self.trainer_gpus} {self.trainer_gpu} (tp {self.tp}) | rollout {pools} | staleness "
-            f"{self.staleness} | step {self.step_s:.1f} s | {self.trajectories_per_s:.2f} traj/s | busy {util}"
+            f"{self.staleness}{'' if self.vllm_share is None else f' | vLLM share {self.vllm_share}'} | "
+            f"step {self.step_s:.1f} s | {self.trajectories_per_s:.2f} traj/s | busy {util}"
         )
 
 
