@@ -108,8 +108,9 @@ def resources(args: argparse.Namespace) -> int:
         )
         model_dir = SHIPPED_MODEL
     model = read_model(model_dir)
-    model_path = str(Path(model_dir).parent if Path(model_dir).is_file() else Path(model_dir))
-    tree.setdefault("model", {}).update(source="path", path=model_path)
+    if model_dir != config.model.path:  # --model or the fallback: the written config points at it
+        model_path = str(Path(model_dir).parent if Path(model_dir).is_file() else Path(model_dir))
+        tree.setdefault("model", {}).update(source="path", path=model_path)
     if args.calibrate:
         from rollart_hpc.entry.simulate import _run_config
         from rollart_hpc.sim.profile import calibrate

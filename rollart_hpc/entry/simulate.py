@@ -120,8 +120,8 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 
 def hardware_profile(config: Any, hardware: str, model: str) -> tuple[Any, Any]:
-    """(scenario factory, profile) for `config` on `hardware`: every rollout rank one engine of that GPU,
-    the trainer ranks one GPU each."""
+    """(hardware profile, synthetic episodes) for `config` on `hardware`: every rollout rank one engine of
+    that GPU, the trainer ranks one GPU each."""
     from rollart_hpc.sim.hardware import GpuPool, HardwareProfile, TrainerLayout, parse_hardware, read_model
     from rollart_hpc.sim.workload import Workload, sample
 
@@ -155,6 +155,10 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("simulate: give exactly one of --calibrate RUN_DIR and --hardware GPU")
     if args.hardware and not args.model:
         raise UsageError("--hardware needs --model CONFIG_JSON (the model's shape)")
+    if args.hardware and (args.rollout_speed != 1.0 or args.trainer_speed != 1.0):
+        raise UsageError(
+            "--rollout-speed/--trainer-speed scale a calibrated profile; --hardware sets the GPUs"
+        )
     modes, bounds = _check_args(args)
     base = load_config(args.config, args.overrides)
     checks: list[dict[str, Any]] = []
