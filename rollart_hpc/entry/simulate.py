@@ -8,6 +8,11 @@ Calibrates the discrete-event model (`rollart_hpc.sim`) on a measured run's cont
   on hardware `--rollout-speed`/`--trainer-speed`/`--env-speed` times the calibration machine's, for each
   of `--modes` and, in async mode, each bound of `--staleness`.
 Prints a table; `--json OUT` writes everything.
+
+Past the calibration machine: `--hardware h800 --model CONFIG_JSON` replaces `--calibrate` with a cost profile
+from datasheets and the model's shape (`rollart_hpc.sim.hardware`) and a synthetic workload
+(`rollart_hpc.sim.workload`); `--reproduce rollart` projects RollArt's results (`rollart_hpc.sim.reproduce`)
+and, with `--benchmarks FILE`, appends them to FILE as a dated section.
 """
 
 from __future__ import annotations
@@ -23,9 +28,13 @@ MODES = ("sync", "one_step_off", "async")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="TOML config of the pipeline to project")
+    parser.add_argument("config", nargs="?", help="TOML config of the pipeline to project")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. roles.rollout.num_ranks=128")
-    parser.add_argument("--calibrate", required=True, help="run directory whose trace calibrates the model")
+    parser.add_argument("--calibrate", help="run directory whose trace calibrates the model")
+    parser.add_argument("--hardware", help="instead of --calibrate: GPU type of every role, e.g. h800")
+    parser.add_argument("--model", help="with --hardware: the model's config.json")
+    parser.add_argument("--reproduce", choices=["rollart"], help="project a paper's results")
+    parser.add_argument("--benchmarks", help="with --reproduce: append the table to this file")
     parser.add_argument("--check", action="append", default=[], help="another measured run to predict")
     parser.add_argument(
         "--modes", default="", help="comma-separated modes to project (default: the config's)"
@@ -97,19 +106,73 @@ def validate(run_dir: Path, profile: Any, seeds: int) -> dict[str, Any]:
     }
 
 
+def _reproduce(args: argparse.Namespace) -> int:
+    from rollart_hpc.sim.reproduce import benchmarks_section, reproduce, table
+
+    rows = reproduce(seeds=args.seeds)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"paper": "rollart", "rows": rows}, indent=2))
+    if args.benchmarks:
+        with open(args.benchmarks, "a") as out:
+            out.write(benchmarks_section(rows))
+    return 0
+
+
+def hardware_profile(config: Any, hardware: str, model: str) -> tuple[Any, Any]:
+    """(hardware profile, synthetic episodes) for `config` on `hardware`: every rollout rank one engine of
+    that GPU, the trainer ranks one GPU each."""
+    from rollart_hpc.sim.hardware import GpuPool, HardwareProfile, TrainerLayout, parse_hardware, read_model
+    from rollart_hpc.sim.workload import Workload, sample
+
+    parsed = parse_hardware(hardware)
+    if len(parsed) != 1 or parsed[0][1]:
+        raise UsageError(
+            f"--hardware: simulate takes one GPU type without a count, e.g. h800; got {hardware!r}"
+        )
+    gpu = parsed[0][0]
+    shape = read_model(model)
+    hw = HardwareProfile(
+        shape,
+        (GpuPool(gpu.name, gpu, config.roles.rollout.num_ranks, max_slots=config.rollout.num_slots),),
+        gpu,
+        TrainerLayout(max(config.roles.trainer.num_ranks, 1)),
+    )
+    episodes = sample(Workload(), 4 * config.controller.batch_size * (config.controller.num_steps + 2))
+    return hw, episodes
+
+
 def main(args: argparse.Namespace) -> int:
     from rollart_hpc.config import load_config
     from rollart_hpc.sim.model import Scenario, refine, simulate
     from rollart_hpc.sim.profile import calibrate
 
+    if args.reproduce:
+        return _reproduce(args)
+    if not args.config:
+        raise UsageError("simulate: give a CONFIG (or --reproduce rollart)")
+    if bool(args.calibrate) == bool(args.hardware):
+        raise UsageError("simulate: give exactly one of --calibrate RUN_DIR and --hardware GPU")
+    if args.hardware and not args.model:
+        raise UsageError("--hardware needs --model CONFIG_JSON (the model's shape)")
+    if args.hardware and (args.rollout_speed != 1.0 or args.trainer_speed != 1.0):
+        raise UsageError(
+            "--rollout-speed/--trainer-speed scale a calibrated profile; --hardware sets the GPUs"
+        )
     modes, bounds = _check_args(args)
     base = load_config(args.config, args.overrides)
-    source = Path(args.calibrate).resolve()
-    run_config = _run_config(source)
-    profile, _ = calibrate(source, run_config.roles.rollout.num_ranks)
-    profile = refine(profile, Scenario(run_config))
-    checks = [validate(source, profile, args.seeds)]
-    checks += [validate(Path(d).resolve(), profile, args.seeds) for d in args.check]
+    checks: list[dict[str, Any]] = []
+    hw = None
+    if args.hardware:
+        hw, episodes = hardware_profile(base, args.hardware, args.model)
+        _, profile = hw.scenario(base, episodes)
+    else:
+        source = Path(args.calibrate).resolve()
+        run_config = _run_config(source)
+        profile, _ = calibrate(source, run_config.roles.rollout.num_ranks)
+        profile = refine(profile, Scenario(run_config))
+        checks = [validate(source, profile, args.seeds)]
+        checks += [validate(Path(d).resolve(), profile, args.seeds) for d in args.check]
 
     projections = []
     for mode in modes or [base.controller.mode]:
@@ -117,7 +180,10 @@ def main(args: argparse.Namespace) -> int:
             config = load_config(
                 args.config, [*args.overrides, f"controller.mode={mode}", f"controller.max_staleness={bound}"]
             )
-            scenario = Scenario(config, args.rollout_speed, args.trainer_speed, args.env_speed)
+            if hw is not None:
+                scenario, _ = hw.scenario(config, episodes, env_speed=args.env_speed, tokens_per_event=32)
+            else:
+                scenario = Scenario(config, args.rollout_speed, args.trainer_speed, args.env_speed)
             projections.append(
                 {
                     "mode": mode,

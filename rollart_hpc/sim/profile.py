@@ -46,6 +46,7 @@ class EpisodeShape:
     post_s: float
     tokens: int  # the trajectory's length, what the trainer pays for
     failed: bool = False
+    family: str = ""  # the task family (synthetic workloads route by it; measured shapes leave it empty)
 
 
 @dataclass(frozen=True)
