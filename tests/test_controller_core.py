@@ -219,3 +219,32 @@ def test_family_balance_groups_the_sampler_by_the_task_ids_family():
         ControllerCore.build(
             ids, batch_size=2, max_staleness=1, mode="async", num_steps=2, seed=0, sampler_balance="x"
         )
+
+
+def test_bound_two_takes_no_newer_result_while_an_older_one_is_out():
+    """s = 2, B = 2: a straggler of version 0 must not be left to come due at step 2 beside three other
+    version-0 results because step 1 took two fresher version-1 results (the batch would overflow)."""
+    core = make_core(s=2, batch=2, steps=4)
+    trained: dict[str, int] = {}
+    window = [core.dispatch() for _ in range(6)]  # (0 + 2 + 1) x 2 admitted at version 0
+    assert all(t is not None for t in window) and core.dispatch() is None
+    straggler, *others = [t for t in window if t is not None]
+    for ticket in others[:2]:
+        core.on_result(finish(ticket, 0))
+    assert train_next_batch(core, trained, 2) is not None  # step 0
+    core.on_rollout_version(1)
+    fresh = list(iter(core.dispatch, None))
+    assert fresh and all(t.version == 1 for t in fresh)
+    for ticket in fresh:
+        core.on_result(finish(ticket, 1))
+    assert core.next_batch() is None  # step 1 takes versions <= 1 - 2 + 1 = 0 only: it waits
+    for ticket in [*others[2:], straggler]:
+        core.on_result(finish(ticket, 0))
+    while not core.done:
+        b = train_next_batch(core, trained, 2)
+        assert b is not None
+        core.on_rollout_version(core.version)
+        for ticket in list(iter(core.dispatch, None)) + list(core.in_flight.values()):
+            if ticket.episode_id in core.in_flight:
+                core.on_result(finish(ticket, core.rollout_version))
+    assert core.balanced() and len(trained) == 4 * 2  # train_next_batch checked every staleness

@@ -14,7 +14,8 @@ Invariants (pinned by tests/test_controller_core.py):
    cause. A duplicate or unknown result is counted and ignored.
 2. Staleness: a trajectory trained at step n has n - v0 <= s (s = max_staleness). Admission stops
    dispatching when the admitted count would reach (rollout_version + s + 1) * B; with batches taken
-   due-first (every trajectory with v0 <= n - s is in batch n, and batch n waits for in-flight ones), no
+   due-first (every trajectory with v0 <= n - s is in batch n, and batch n waits for in-flight ones) and
+   filled only with results of v0 <= n - s + 1 (`_newest_version_taken`; every result when s = 1), no
    admitted trajectory ever falls out of the window, so nothing relies on discarding.
 3. The baseline of a ticket is frozen at dispatch (the tracker's dispatch event), whatever the arrival order.
 
@@ -380,11 +381,22 @@ class ControllerCore:
         due = [g for g in ready if self.groups[g].version <= due_version]
         if len(due) > wanted:
             raise AssertionError(f"{len(due)} due groups exceed the batch of {wanted}")
-        chosen = (due + [g for g in ready if self.groups[g].version > due_version])[:wanted]
+        newest = self._newest_version_taken()
+        rest = [g for g in ready if due_version < self.groups[g].version <= newest]
+        chosen = (due + rest)[:wanted]
         if len(chosen) < wanted:
             return None
         groups = [self.groups.pop(g) for g in chosen]
         return [e for group in groups for e in group.members if e in self.buffer]
+
+    def _newest_version_taken(self) -> int:
+        """The newest dispatch version batch n may take besides its due results: n - s + 1 (0 while n < s).
+        With s = 1 that is every result (none is newer than n). With s >= 2 a result of version v is trained
+        no earlier than step v + s - 1: a batch that took newer results while older ones were still out
+        would leave those older ones to come due later beside a full batch, breaking the bound; taking only
+        v <= n - s + 1, every result batches 0..n-1 took has v <= n - s, so at most B remain due at step n
+        (admission holds at most (n + 1) B of them)."""
+        return max(self.version - self.max_staleness + 1, 0)
 
     def next_batch(self) -> Batch | None:
         """The batch of step n = self.version: due results first, then by completion; None to wait. The
@@ -406,8 +418,9 @@ class ControllerCore:
         if len(self.buffer) < self.batch_size:
             return None
         due_version = self.version - self.max_staleness
+        newest = self._newest_version_taken()
         due = [e for e, r in self.buffer.items() if r.ticket.version <= due_version]
-        rest = [e for e, r in self.buffer.items() if r.ticket.version > due_version]
+        rest = [e for e, r in self.buffer.items() if due_version < r.ticket.version <= newest]
         if len(due) > self.batch_size and self.redundancy.surplus:
             for episode_id in due[self.batch_size :]:  # the last to finish of the surplus
                 result = self.buffer.pop(episode_id)
