@@ -237,7 +237,7 @@ def test_bound_two_takes_no_newer_result_while_an_older_one_is_out():
     assert fresh and all(t.version == 1 for t in fresh)
     for ticket in fresh:
         core.on_result(finish(ticket, 1))
-    assert core.next_batch() is None  # step 1 takes versions <= 1 - 2 + 1 = 0 only: it waits
+    assert core.next_batch() is None  # version 0 results are still out: step 1 takes nothing newer, it waits
     for ticket in [*others[2:], straggler]:
         core.on_result(finish(ticket, 0))
     while not core.done:
@@ -248,3 +248,17 @@ def test_bound_two_takes_no_newer_result_while_an_older_one_is_out():
             if ticket.episode_id in core.in_flight:
                 core.on_result(finish(ticket, core.rollout_version))
     assert core.balanced() and len(trained) == 4 * 2  # train_next_batch checked every staleness
+
+
+def test_no_ticket_is_dispatched_stale():
+    """Engines that lag the trainer by more than s versions get no ticket: it would be stale at birth (the
+    surplus of redundancy once let one through at s = 0)."""
+    core = make_core(s=0, batch=1, steps=3, redundancy=1.25)
+    ticket = core.dispatch()
+    assert ticket is not None
+    core.on_result(finish(ticket, 0))
+    assert core.next_batch() is not None
+    core.on_published(1)  # the trainer is at version 1, the engines still hold version 0
+    assert core.admitted < core.admission_limit() and core.dispatch() is None
+    core.on_rollout_version(1)
+    assert core.dispatch() is not None

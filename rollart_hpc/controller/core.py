@@ -15,8 +15,9 @@ Invariants (pinned by tests/test_controller_core.py):
 2. Staleness: a trajectory trained at step n has n - v0 <= s (s = max_staleness). Admission stops
    dispatching when the admitted count would reach (rollout_version + s + 1) * B; with batches taken
    due-first (every trajectory with v0 <= n - s is in batch n, and batch n waits for in-flight ones) and
-   filled only with results of v0 <= n - s + 1 (`_newest_version_taken`; every result when s = 1), no
-   admitted trajectory ever falls out of the window, so nothing relies on discarding.
+   filled oldest version first with none newer than the oldest still out (`_newest_version_taken`; no
+   limit in effect when s = 1), no admitted trajectory ever falls out of the window, so nothing relies on
+   discarding.
 3. The baseline of a ticket is frozen at dispatch (the tracker's dispatch event), whatever the arrival order.
 
 Redundancy (`controller.redundancy` r > 1; async, no groups): admission allows ceil(r B) - B more episodes;
@@ -224,6 +225,8 @@ class ControllerCore:
     def can_dispatch(self) -> bool:
         if self.admitted >= self.admission_limit():
             return False
+        if self.version - self.rollout_version > self.max_staleness:
+            return False  # the engines lag: a ticket of rollout_version would be stale before it starts
         batch_barrier = self.mode != "async"
         return not (batch_barrier and self.admitted % self.batch_size == 0 and self.in_flight)
 
@@ -382,21 +385,30 @@ class ControllerCore:
         if len(due) > wanted:
             raise AssertionError(f"{len(due)} due groups exceed the batch of {wanted}")
         newest = self._newest_version_taken()
-        rest = [g for g in ready if due_version < self.groups[g].version <= newest]
+        rest = sorted(
+            (g for g in ready if due_version < self.groups[g].version <= newest),
+            key=lambda g: self.groups[g].version,
+        )
         chosen = (due + rest)[:wanted]
         if len(chosen) < wanted:
             return None
         groups = [self.groups.pop(g) for g in chosen]
         return [e for group in groups for e in group.members if e in self.buffer]
 
-    def _newest_version_taken(self) -> int:
-        """The newest dispatch version batch n may take besides its due results: n - s + 1 (0 while n < s).
-        With s = 1 that is every result (none is newer than n). With s >= 2 a result of version v is trained
-        no earlier than step v + s - 1: a batch that took newer results while older ones were still out
-        would leave those older ones to come due later beside a full batch, breaking the bound; taking only
-        v <= n - s + 1, every result batches 0..n-1 took has v <= n - s, so at most B remain due at step n
-        (admission holds at most (n + 1) B of them)."""
-        return max(self.version - self.max_staleness + 1, 0)
+    def _newest_version_taken(self) -> float:
+        """The newest dispatch version a batch may take besides its due results: the oldest version still
+        out (in flight and not being aborted; with groups, of a group not yet back), or any when nothing is
+        out. A batch that took a newer result while an older one was out would leave the older one to come
+        due later beside a full batch (possible with s >= 2; with s = 1 every result out or buffered is of
+        the newest version). Taken this way, while a result of version v <= n - s is unconsumed at step n,
+        every result the earlier batches took has a version <= v, so at most B are due (admission holds at
+        most (n + 1) B of versions <= n - s)."""
+        if self.group_size:
+            out = [g.version for g in self.groups.values() if not self._ready(g)]
+        else:
+            aborting = self.redundancy.by_version
+            out = [v for v, n in self._in_flight_by_version.items() if n > aborting[v]]
+        return min(out, default=float("inf"))
 
     def next_batch(self) -> Batch | None:
         """The batch of step n = self.version: due results first, then by completion; None to wait. The
@@ -420,7 +432,10 @@ class ControllerCore:
         due_version = self.version - self.max_staleness
         newest = self._newest_version_taken()
         due = [e for e, r in self.buffer.items() if r.ticket.version <= due_version]
-        rest = [e for e, r in self.buffer.items() if due_version < r.ticket.version <= newest]
+        rest = sorted(
+            (e for e, r in self.buffer.items() if due_version < r.ticket.version <= newest),
+            key=lambda e: self.buffer[e].ticket.version,
+        )  # oldest version first, by completion within a version
         if len(due) > self.batch_size and self.redundancy.surplus:
             for episode_id in due[self.batch_size :]:  # the last to finish of the surplus
                 result = self.buffer.pop(episode_id)
