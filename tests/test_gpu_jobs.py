@@ -231,6 +231,7 @@ def _example_spec(config: Config) -> JobSpec:
         python=f"{EXAMPLE_ROOT}/.venv/bin/python",
         mpi_env=Path(f"{EXAMPLE_ROOT}/slurm/mpi_env.sh"),
         job=config.run.job,
+        max_restarts=config.cluster.max_restarts,  # what `submit` renders
     )
 
 
