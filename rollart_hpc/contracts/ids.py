@@ -64,10 +64,10 @@ class EpisodeId:
 @dataclass(frozen=True)
 class RequestId:
     """A parsed request id: the episode it belongs to and what follows the first '/' (`t<turn>` for an
-    agent's turn, '' for a bare episode id)."""
+    agent's turn; None for a bare episode id, with no '/')."""
 
     episode: str
-    rest: str = ""
+    rest: str | None = None
 
     @classmethod
     def of_turn(cls, episode: str, turn: int) -> RequestId:
@@ -76,12 +76,13 @@ class RequestId:
     @classmethod
     def parse(cls, text: str) -> RequestId:
         """The record of `text`; never fails."""
-        episode, _, rest = text.partition("/")
-        return cls(episode, rest)
+        episode, sep, rest = text.partition("/")
+        return cls(episode, rest if sep else None)
 
     @property
     def turn(self) -> int | None:
-        return int(self.rest[1:]) if self.rest[:1] == "t" and self.rest[1:].isdigit() else None
+        rest = self.rest or ""
+        return int(rest[1:]) if rest[:1] == "t" and rest[1:].isdigit() else None
 
     @property
     def seed_key(self) -> str:
@@ -93,4 +94,4 @@ class RequestId:
         return str(RequestId(f"{EVAL_PREFIX}{mode}-{index}", self.rest))
 
     def __str__(self) -> str:
-        return f"{self.episode}/{self.rest}" if self.rest else self.episode
+        return self.episode if self.rest is None else f"{self.episode}/{self.rest}"
