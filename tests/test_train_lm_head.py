@@ -32,3 +32,59 @@ def test_bf16_inputs_give_fp32_logprobs_accumulated_in_fp32(padding: int) -> Non
     assert h.grad is not None and w.grad is not None
     for got, want in ((hidden.grad, h.grad), (weight.grad, w.grad)):
         assert float((got.double() - want).norm() / want.norm()) < 1e-2
+
+
+def _logprobs_and_grads(
+    impl: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp = head_logprobs(h, w, targets, vocab, tp_size=1, timeout_s=5.0, impl=impl)
+    (lp * torch.linspace(-1, 1, lp.shape[0])).sum().backward()
+    assert h.grad is not None and w.grad is not None
+    return lp.detach(), h.grad, w.grad
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_triton_kernel_on_a_padded_head_matches_the_torch_path(dtype: torch.dtype, tol: float) -> None:
+    """TP 1, vocabulary 100 padded to 128 (Megatron's multiple of 128): the Triton kernel (interpreted)
+    masks the padding rows itself; its log-probs and gradients equal the chunked torch path's, and the
+    padding rows get no gradient."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, hidden_size, vocab, padded = 19, 32, 100, 128
+    hidden = torch.randn(tokens, hidden_size, generator=gen).to(dtype)
+    weight = (torch.randn(padded, hidden_size, generator=gen) * 0.3).to(dtype)
+    weight[vocab:] = 50.0  # padding rows whose logits would dominate the softmax if they were not masked
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    targets[0] = vocab - 1
+    lp_k, gh_k, gw_k = _logprobs_and_grads("triton", hidden, weight, targets, vocab)
+    lp_t, gh_t, gw_t = _logprobs_and_grads("torch", hidden, weight, targets, vocab)
+    assert lp_k.dtype == torch.float32 and gh_k.dtype == gw_k.dtype == dtype
+    assert _rel(lp_k, lp_t) < tol and _rel(gh_k, gh_t) < tol and _rel(gw_k, gw_t) < tol
+    assert bool((gw_k[vocab:] == 0).all()) and bool((gw_t[vocab:] == 0).all())
+    assert float(lp_t.max()) < 0 and float(lp_t.min()) > -30  # padding masked: no log-prob near -50 * |h|
+
+
+def test_auto_picks_the_kernel_when_asked_and_torch_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU "auto" is the torch path; ROLLART_KERNEL_IMPL=triton (as CUDA picks by default) runs the
+    kernel on a padded head."""
+    import rollart_hpc.kernels.lm_head_triton as triton_ops
+
+    calls: list[int] = []
+    real = triton_ops.shard_partials
+
+    def spy(*args: object) -> object:
+        calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_ops, "shard_partials", spy)
+    hidden, weight = torch.randn(5, 16), torch.randn(24, 16)
+    targets = torch.tensor([0, 3, 19, 7, 1])
+    head_logprobs(hidden, weight, targets, 20, tp_size=1, timeout_s=5.0)
+    assert calls == []
+    monkeypatch.setenv("ROLLART_KERNEL_IMPL", "triton")
+    head_logprobs(hidden, weight, targets, 20, tp_size=1, timeout_s=5.0)
+    assert calls == [1]
