@@ -4,7 +4,8 @@
 # Runs, each under its own time limit, and writes under OUT_DIR:
 #   1. kernel/: the fused LM-head log-prob + SPO++ loss kernel (compiled Triton) at T=32768, H=4096,
 #      V=151936 bf16 against the eager torch path (bench_kernel.json: time, TFLOP/s against a bf16 matmul peak
-#      measured in the same run, peak memory) and the gpu-marked kernel tests (pytest_kernel.txt).
+#      measured in the same run, peak memory) and the gpu-marked kernel tests (pytest_kernel.txt), among them the
+#      trainer head's kernel path on a padded vocabulary shard (tests/test_train_lm_head.py).
 #   2. trainer/: the trainer on CUDA (one rank, NCCL): the trainer, conversion, precision and attention tests
 #      (pytest_trainer.txt), and scripts/gpu_train_memory.py (train_memory.json: peak memory and step time of a
 #      Qwen2.5-1.5B-shaped model per attention and recomputation setting, bf16).
@@ -16,7 +17,9 @@
 # Parts 3 and 4 need vLLM (a CUDA build of vllm 0.32 in the Python used): where `import vllm` fails they are
 # recorded as skipped with that reason, not run. What one GPU cannot check: NCCL does not put two ranks of one
 # communicator on one GPU, so tensor/pipeline/data-parallel trainer layouts and NCCL weight broadcast between
-# ranks need two GPUs or more (tests/test_train_layouts_mpi.py and tests/test_weights_mpi.py with CUDA).
+# ranks need two GPUs or more (tests/test_train_layouts_mpi.py and tests/test_weights_mpi.py with CUDA), and so
+# does the LM-head kernel's tensor-parallel parity (tests/test_train_lm_head_mpi.py: TP 2, shards combined over
+# the group; CPU gloo here).
 # Then OUT_DIR/gpu_check.json and one summary table (scripts/gpu_check_summary.py); exit 1 if a part that ran
 # failed.
 # --dry: check the arguments and print the commands, run nothing (what the CPU tests exercise).
@@ -48,7 +51,7 @@ done
 
 KERNEL=(bash -c "\"\$0\" launch.py bench kernel --device cuda --json \"\$1/kernel/bench_kernel.json\" --repeats 5 \
 --warmup 2 && \"\$0\" -m pytest -p no:cacheprovider -q -rs -m gpu tests/test_kernels_policy_loss.py \
-tests/test_kernels_bench.py >\"\$1/kernel/pytest_kernel.txt\" 2>&1" "$PY" "$OUT")
+tests/test_kernels_bench.py tests/test_train_lm_head.py >\"\$1/kernel/pytest_kernel.txt\" 2>&1" "$PY" "$OUT")
 TRAINER=(bash -c "\"\$0\" -m pytest -p no:cacheprovider -q -rs -x ${TRAIN_TESTS[*]} >\"\$1/trainer/pytest_trainer.txt\" \
 2>&1; rc=\$?; \"\$0\" scripts/gpu_train_memory.py --precision bf16 --repeats 2 --out \"\$1/trainer/train_memory.json\" \
 >\"\$1/trainer/train_memory.txt\" 2>&1 && exit \$rc" "$PY" "$OUT")

@@ -31,6 +31,7 @@ def test_dry_mode_prints_every_part_within_ten_minutes(tmp_path: Path) -> None:
     out = result.stdout
     assert "launch.py bench kernel --device cuda" in out and "-m gpu tests/test_kernels_policy_loss.py" in out
     assert "tests/test_train_trainer.py" in out and "scripts/gpu_train_memory.py --precision bf16" in out
+    assert "tests/test_kernels_bench.py tests/test_train_lm_head.py >" in out  # the head's kernel, compiled
     assert (
         "configs/local.toml rollout.engine=vllm roles.rollout.gpus_per_rank=1 roles.trainer.gpus_per_rank=1"
         in out

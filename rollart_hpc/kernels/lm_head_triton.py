@@ -13,6 +13,12 @@ d logits = g (onehot - softmax) for that chunk only, in the input dtype; two GEM
 d hidden += d logits @ weight[chunk] and d weight[chunk] += d logits.T @ hidden (float32 accumulators).
 Tokens with g = 0 (masked, clipped or dual-clipped) are dropped before the backward.
 
+Vocabulary-parallel, padded heads (`train.lm_head`): `shard_partials` runs launch 1 alone over the first
+`num_real` rows of a head shard (the columns at or beyond `num_real` are masked to -inf inside the kernel, so
+padding rows are never read) and merges its splits into this shard's max, sum-exp and target logit, which the
+caller combines over the tensor-parallel group; `grads(..., num_real=...)` recomputes only those rows (the
+padding rows' d weight stays 0). A target outside the shard is passed as -1: it matches no column.
+
 Pointer arithmetic assumes contiguous row-major tensors; callers pass `.contiguous()` tensors. Under
 `TRITON_INTERPRET=1` the kernels run on CPU tensors (slowly; cost grows with the number of programs).
 """
@@ -298,9 +304,10 @@ def _num_splits(
     return max(1, min(wanted, triton.cdiv(num_vocab, block_v)))
 
 
-def _launch_partials(hidden, weight, targets, with_entropy, tuning):  # type: ignore[no-untyped-def]
+def _launch_partials(hidden, weight, targets, with_entropy, tuning, num_vocab=None):  # type: ignore[no-untyped-def]
+    """Launch 1 over weight rows [0, num_vocab) (all rows by default): columns past it are masked."""
     num_tokens, hidden_size = hidden.shape
-    num_vocab = weight.shape[0]
+    num_vocab = weight.shape[0] if num_vocab is None else num_vocab
     bt, bv, bh = _blocks(tuning, num_tokens, num_vocab, hidden_size)
     tiles_t = triton.cdiv(num_tokens, bt)
     nsplit = _num_splits(tuning, tiles_t, num_vocab, bv, hidden.device)
@@ -376,6 +383,31 @@ def forward(
     )
 
 
+def shard_partials(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    num_real: int,
+    tuning: KernelTuning,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token [T] (fp32): max logit m, sum of exp(logit - m) and the target logit (0 where the target is
+    not in [0, num_real), e.g. -1) over the first `num_real` rows of this head shard; the rest is padding.
+    A shard of padding only gives m = -inf, sum 0."""
+    check_shapes(hidden, weight, targets)
+    if not 0 <= num_real <= weight.shape[0]:
+        raise ValueError(f"num_real must lie in [0, {weight.shape[0]}], got {num_real}")
+    num_tokens = hidden.shape[0]
+    if num_real == 0 or num_tokens == 0:
+        top = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=hidden.device)
+        return top, torch.zeros_like(top), torch.zeros_like(top)
+    hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
+    parts, _ = _launch_partials(hidden, weight, targets, False, tuning, num_real)
+    split_max, split_sum, _, split_target = parts
+    top = split_max.amax(0)
+    total = (split_sum * torch.exp(split_max - top)).sum(0)  # every split holds >= 1 column: finite maxima
+    return top, total, split_target.sum(0)
+
+
 def _chunks(tuning: KernelTuning, num_tokens: int, num_vocab: int) -> tuple[int, int]:
     token_chunk = tuning.token_chunk or num_tokens
     vocab_chunk = tuning.vocab_chunk or max(1, DLOGITS_BUDGET_ELEMENTS // max(token_chunk, 1))
@@ -432,9 +464,12 @@ def grads(
     lse: torch.Tensor,
     g: torch.Tensor,
     tuning: KernelTuning,
+    num_real: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """d hidden, d weight for d loss / d logprob = g; only tokens with g != 0 are recomputed."""
+    """d hidden, d weight for d loss / d logprob = g; only tokens with g != 0 are recomputed. num_real:
+    only weight rows [0, num_real) are vocabulary (the d weight of the rest, padding, is 0)."""
     check_shapes(hidden, weight, targets)
+    num_real = weight.shape[0] if num_real is None else num_real
     weight = weight.contiguous()
     active = torch.nonzero(g).squeeze(1)
     h_active = hidden.index_select(0, active).contiguous()
@@ -443,10 +478,10 @@ def grads(
     g_active = g.index_select(0, active).float().contiguous()
     grad_h_active = torch.zeros(h_active.shape, dtype=torch.float32, device=hidden.device)
     grad_weight = torch.zeros_like(weight)
-    if active.numel() > 0:
-        _, vocab_chunk = _chunks(tuning, active.numel(), weight.shape[0])
-        for v0 in range(0, weight.shape[0], vocab_chunk):
-            v_len = min(vocab_chunk, weight.shape[0] - v0)
+    if active.numel() > 0 and num_real > 0:
+        _, vocab_chunk = _chunks(tuning, active.numel(), num_real)
+        for v0 in range(0, num_real, vocab_chunk):
+            v_len = min(vocab_chunk, num_real - v0)
             _vocab_chunk_grads(
                 h_active, weight, t_active, lse_active, g_active, grad_h_active, v0, v_len, tuning,
                 grad_weight[v0 : v0 + v_len],

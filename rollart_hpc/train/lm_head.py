@@ -3,12 +3,14 @@
 `head_logprobs(hidden [N, H], weight [V/TP, H], targets [N], vocab_size, ...)` returns log p(target) [N],
 with gradients to the hidden states and the weight shard. The head may hold padding rows past
 `vocab_size` (`convert.padded_vocab_size`); their logits are masked out. Tensor parallel size 1 and no
-padding: the kernels' fused `linear_logprob` (Triton on CUDA, the chunked torch reference on CPU).
-Otherwise (vocabulary-parallel head, rank r holds rows [r V/TP, (r+1) V/TP)): logits are formed a
-chunk of tokens at a time; each
-rank's log-sum-exp and target logit are combined over the TP group (max, then sum of exp, then sum: three
-all-reduces of [N] per call), and the backward recomputes the chunk logits from the saved global
-log-sum-exp. The hidden states must enter through Megatron's `copy_to_tensor_model_parallel_region`
+padding: the kernels' fused `linear_logprob`. Otherwise (vocabulary-parallel head, rank r holds rows
+[r V/TP, (r+1) V/TP)): each rank's log-sum-exp and target logit over its shard are combined over the TP
+group (max, then sum of rescaled exp, then sum: three all-reduces of [N] per call), and the backward
+recomputes this shard's logits from the saved global log-sum-exp, giving this shard's part of d hidden and
+its d weight. The shard's partials and its backward come from the Triton kernel
+(`lm_head_triton.shard_partials` / `grads`: padding columns masked in the kernel) or from torch, logits a
+chunk of tokens at a time. Implementation (`impl`, as `kernels.resolve_impl`): "auto" reads
+ROLLART_KERNEL_IMPL, then takes Triton on CUDA and torch on CPU (the Triton interpreter only in tests). The hidden states must enter through Megatron's `copy_to_tensor_model_parallel_region`
 (done here), whose backward sums the partial hidden-state gradients over the TP group.
 
 Precision: bf16 hidden states and weights (`trainer.precision = "bf16"`) are multiplied with fp32
@@ -23,9 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rollart_hpc.kernels.common import KernelTuning
 from rollart_hpc.train import comm
 
 LOGITS_BUDGET_ELEMENTS = 1 << 22  # float32 logits held per chunk (16 MiB)
+_TUNING = KernelTuning()  # the kernels' device defaults
 
 
 def _chunk(num_vocab: int) -> int:
@@ -42,34 +46,38 @@ class _VocabParallelLogprob(torch.autograd.Function):
         vocab_size: int,
         group: Any,
         timeout_s: float,
+        kernel: bool,
     ) -> torch.Tensor:
         rank, vocab = (dist.get_rank(group) if group is not None else 0), weight.shape[0]
         real = max(0, min(vocab, vocab_size - rank * vocab))  # this shard's rows that are not padding
         local = targets - rank * vocab
         owned = (local >= 0) & (local < vocab)
         local = torch.where(owned, local, 0)
-        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        tgt = torch.zeros_like(lse)
-        w = weight.float()
-        step = _chunk(vocab)
-        for start in range(0, hidden.shape[0], step):
-            sl = slice(start, start + step)
-            logits = _masked(hidden[sl].float() @ w.T, real)
-            lse[sl] = torch.logsumexp(logits, dim=1)
-            picked = logits.gather(1, local[sl].unsqueeze(1)).squeeze(1)
-            tgt[sl] = torch.where(owned[sl], picked, 0.0)
+        if kernel:
+            from rollart_hpc.kernels.lm_head_triton import shard_partials
+
+            top, total, tgt = shard_partials(hidden, weight, torch.where(owned, local, -1), real, _TUNING)
+            lse = top + torch.log(total)  # -inf on a shard of padding only
+        else:
+            lse, tgt = _torch_partials(hidden, weight, local, owned, real)
         if group is not None:
             top = comm.all_reduce(lse.clone(), "vocab-parallel max", timeout_s, dist.ReduceOp.MAX, group)
             total = comm.all_reduce(torch.exp(lse - top), "vocab-parallel sum-exp", timeout_s, group=group)
             comm.all_reduce(tgt, "vocab-parallel target logit", timeout_s, group=group)
             lse = top + torch.log(total)
         ctx.save_for_backward(hidden, weight, local, owned, lse)
-        ctx.real = real
+        ctx.real, ctx.kernel = real, kernel
         return (tgt - lse).clamp(max=0.0)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         hidden, weight, local, owned, lse = ctx.saved_tensors
+        if ctx.kernel:
+            from rollart_hpc.kernels.lm_head_triton import grads
+
+            targets = torch.where(owned, local, -1)
+            grad_h, grad_w = grads(hidden, weight, targets, lse, grad.float(), _TUNING, ctx.real)
+            return grad_h, grad_w, None, None, None, None, None
         w = weight.float()
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -83,7 +91,24 @@ class _VocabParallelLogprob(torch.autograd.Function):
             dlogits[rows, local[sl]] += torch.where(owned[sl], g[sl], 0.0)
             grad_hidden[sl] = dlogits @ w
             grad_weight += dlogits.T @ h
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def _torch_partials(
+    hidden: torch.Tensor, weight: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, real: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This shard's log-sum-exp and target logit (0 where not owned) [N], fp32 logits a chunk at a time."""
+    lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    tgt = torch.zeros_like(lse)
+    w = weight.float()
+    step = _chunk(weight.shape[0])
+    for start in range(0, hidden.shape[0], step):
+        sl = slice(start, start + step)
+        logits = _masked(hidden[sl].float() @ w.T, real)
+        lse[sl] = torch.logsumexp(logits, dim=1)
+        picked = logits.gather(1, local[sl].unsqueeze(1)).squeeze(1)
+        tgt[sl] = torch.where(owned[sl], picked, 0.0)
+    return lse, tgt
 
 
 def _masked(logits: torch.Tensor, real: int) -> torch.Tensor:
@@ -101,17 +126,20 @@ def head_logprobs(
     tp_size: int,
     timeout_s: float,
     copy_to_tp: bool = True,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """log p(target) [N] (fp32) of hidden [N, H] under the (vocabulary-parallel, padded) head `weight`.
 
     copy_to_tp=False: the caller's hidden states already sum their gradient over the TP group (they come
-    from a sequence-parallel gather)."""
-    if tp_size == 1 and weight.shape[0] == vocab_size:
-        from rollart_hpc.kernels import KernelTuning, linear_logprob
+    from a sequence-parallel gather). impl: auto | triton | torch (see the module docstring)."""
+    from rollart_hpc.kernels import linear_logprob, resolve_impl
 
+    kernel = resolve_impl(impl, hidden.device) == "triton"
+    if tp_size == 1 and weight.shape[0] == vocab_size:
         # The torch reference holds one chunk of logits at a time: the same budget as the path below.
         tuning = None if hidden.is_cuda else KernelTuning(token_chunk=_chunk(vocab_size))
-        return linear_logprob(hidden, weight, targets, tuning=tuning).float()
+        impl = "triton" if kernel else "torch"
+        return linear_logprob(hidden, weight, targets, impl, tuning=tuning).float()
     group = None
     if tp_size > 1:
         from megatron.core import parallel_state, tensor_parallel
@@ -119,7 +147,9 @@ def head_logprobs(
         group = parallel_state.get_tensor_model_parallel_group()
         if copy_to_tp:
             hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-    out: torch.Tensor = _VocabParallelLogprob.apply(hidden, weight, targets, vocab_size, group, timeout_s)
+    out: torch.Tensor = _VocabParallelLogprob.apply(
+        hidden, weight, targets, vocab_size, group, timeout_s, kernel
+    )
     return out
 
 
