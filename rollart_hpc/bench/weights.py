@@ -45,11 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="publish with snapshot=False: return at once, pack in the background (tensors held until packed)",
     )
-    parser.add_argument(
-        "--compare-copy-after",
-        action="store_true",
-        help="also time, in the same repetitions, receivers that copy every bucket only after the transfer",
-    )
 
 
 def parse_sizes(text: str) -> list[float]:
@@ -77,7 +72,6 @@ def worker_config(args: argparse.Namespace) -> dict[str, object]:
         "backend": args.backend,
         "timeout_s": args.timeout_s,
         "snapshot": not args.deferred_pack,
-        "compare_copy_after": args.compare_copy_after,
     }
 
 

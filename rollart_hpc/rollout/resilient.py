@@ -31,11 +31,11 @@ from __future__ import annotations
 import random
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
-from rollart_hpc.inference.api import Engine
+from rollart_hpc.inference.api import Engine, WeightLanding
 
 if TYPE_CHECKING:
     import torch
@@ -168,6 +168,19 @@ class ResilientEngine:
             except Exception as exc:
                 self._broken = exc
 
+    def begin_weights(self, version: int) -> _ResilientLanding:
+        """The inner engine's landing, kept (a CPU copy of each landed tensor, when rebuilds are allowed)
+        for a rebuild; a failure of the inner landing marks the engine broken and the landing goes on
+        collecting, so the rebuild installs the version."""
+        self._lock.acquire()
+        inner = None
+        if self._broken is None:
+            try:
+                inner = self.engine.begin_weights(version)
+            except Exception as exc:
+                self._broken = exc
+        return _ResilientLanding(self, inner, version)
+
     def close(self) -> None:
         self.engine.close()
 
@@ -224,6 +237,59 @@ class ResilientEngine:
             _close_quietly(engine, self._log)
             raise
         return engine
+
+
+class _ResilientLanding:
+    """A landing through `ResilientEngine` (holds its lock from `begin_weights` to `commit`/`abort`)."""
+
+    def __init__(self, owner: ResilientEngine, inner: WeightLanding | None, version: int) -> None:
+        self.owner, self.inner, self.version = owner, inner, version
+        self.kept: NamedTensors | None = [] if owner.max_rebuilds > 0 else None
+        self._targets: Mapping[str, torch.Tensor] = inner.targets if inner is not None else {}
+
+    @property
+    def targets(self) -> Mapping[str, torch.Tensor]:
+        return self._targets
+
+    def land(self, named: NamedTensors) -> None:
+        if self.kept is not None:
+            self.kept += [(name, t.detach().to("cpu", copy=True)) for name, t in named]
+        if self.inner is not None:
+            try:
+                self.inner.land(named)
+            except Exception as exc:
+                self._fail(exc)
+
+    def commit(self, direct: Iterable[str] = ()) -> None:
+        try:
+            names = list(direct)
+            if self.kept is not None:
+                self.kept += [(name, self._targets[name].detach().to("cpu", copy=True)) for name in names]
+                self.owner._newest = (self.kept, self.version)
+            if self.inner is not None:
+                try:
+                    self.inner.commit(names)
+                except Exception as exc:
+                    self.inner = None
+                    self.owner._broken = exc
+        finally:
+            self.owner._lock.release()
+
+    def abort(self) -> None:
+        try:
+            if self.inner is not None:
+                self.inner.abort()
+        finally:
+            self.owner._lock.release()
+
+    def _fail(self, exc: Exception) -> None:
+        assert self.inner is not None
+        try:
+            self.inner.abort()
+        except Exception as abort_exc:  # the engine is broken already; the rebuild replaces it
+            self.owner._log(f"aborting the failed weight landing v{self.version}: {abort_exc!r}")
+        self.inner = None
+        self.owner._broken = exc
 
 
 def _close_quietly(engine: Engine, log: Callable[[str], None]) -> None:
