@@ -101,6 +101,7 @@ def test_tensor_pipeline_and_data_parallel_steps_match_one_rank(model_dir: Path,
             # and the units together are the same model in the same order
             same, largest = got["units_match"][step]
             assert same and largest <= 12, (tp, pp, dp, largest)
+        assert got["saved_match"]  # save_hf writes the gathered weights (no gather_object: it raises)
 
 
 def test_a_checkpoint_resumes_at_another_layout(model_dir: Path, tmp_path: Path) -> None:

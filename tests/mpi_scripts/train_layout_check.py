@@ -7,8 +7,9 @@ one model-parallel group pool theirs). Unless LOAD_FROM is given the world runs 
 SAVE_TO is given, checkpoints after it; with LOAD_FROM it restores that checkpoint instead. Then it runs
 RL step 2 on a second batch. LAYOUT_LOSS_IMPL (fused | eager) picks `trainer.loss_impl`;
 LAYOUT_SEQUENCE_PARALLEL=1 turns on sequence parallelism. Rank 0 writes `OUT/result.pt`: each step's metrics, the HF weights
-gathered after each step, and whether the unit-by-unit gather of the publication path gives the same tensors in
-the same order (with the largest unit's tensor count).
+gathered after each step, whether the unit-by-unit gather of the publication path gives the same tensors in
+the same order (with the largest unit's tensor count), and whether `save_hf` wrote the last step's weights.
+`dist.gather_object` raises in this world: the weights move as tensors.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def global_batch(vocab: int, seed: int) -> object:
     return from_sequences(tokens, masks, behaviour, adv)
 
 
+def _no_pickles(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the weights must be gathered as tensors, not with gather_object")
+
+
 def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
@@ -45,6 +50,7 @@ def main(argv: list[str]) -> None:
     model_dir, out, store, tp, pp, mbt, load_from, save_to = argv
     rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.gather_object = _no_pickles  # publication and save_hf gather tensors, never pickled objects
     cfg = TrainerConfig(
         optim=OptimConfig(lr=1e-4, weight_decay=0.01, grad_clip=1.0),
         micro_batch_tokens=int(mbt),
@@ -74,7 +80,15 @@ def main(argv: list[str]) -> None:
         result.setdefault("units_match", []).append((same, max(len(u) for u in units) if units else 0))  # type: ignore[attr-defined]
         if step == 1 and save_to:
             trainer.save_checkpoint(save_to)
+    saved = trainer.save_hf(Path(out) / "hf")
     if rank == 0:
+        from rollart_hpc.models.checkpoint import load_weights
+
+        last = result["weights"][-1]  # type: ignore[index]
+        on_disk = load_weights(saved)
+        result["saved_match"] = set(on_disk) == set(last) and all(
+            torch.equal(on_disk[k], last[k]) for k in last
+        )
         torch.save(result, Path(out) / "result.pt")
     dist.destroy_process_group()
 
