@@ -439,7 +439,7 @@ class _Landing:
     def land(self, named: list[tuple[str, torch.Tensor]]) -> None:
         tensors = drop_tied_head(self.engine.config, dict(named))
         check_weights(self.engine.config, tensors, complete=False)
-        with torch.inference_mode():
+        with torch.no_grad():
             for name, tensor in tensors.items():
                 self.targets[name].copy_(tensor)
         self.landed.update(tensors)
@@ -449,7 +449,7 @@ class _Landing:
         engine = self._close()
         done = self.landed | set(direct)
         if self.base is not None and len(done) < len(self.targets):
-            with torch.inference_mode():
+            with torch.no_grad():
                 for name, tensor in unpack_weights(engine.config, self.base).items():
                     if name not in done:
                         self.targets[name].copy_(tensor)

@@ -113,7 +113,7 @@ def pack_weights(
 ) -> PackedWeights:
     """Pack a complete HF-named weight dict (as from `checkpoint.load_weights`) into a new snapshot."""
     backend = resolve_backend(backend, dtype)
-    with torch.inference_mode():
+    with torch.no_grad():  # plain tensors (not inference tensors): later versions are written into them
         embed = _own(hf["model.embed_tokens.weight"], dtype)
         head = embed if config.tie_word_embeddings else _own(hf["lm_head.weight"], dtype)
         return PackedWeights(

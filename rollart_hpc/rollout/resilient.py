@@ -1,20 +1,24 @@
 """Engines replaced in place: `ResilientEngine` wraps a rollout rank's `Engine` and rebuilds it on failure.
 
 Dataflow: the rank loop (`rollart_hpc.rollout.main.serve`) drives a `ResilientEngine` like any engine.
-When the inner engine raises from `step`, `add_request`, `abort` or `update_weights` (for vLLM also when
+When the inner engine raises from `step`, `add_request`, `abort`, a weight landing (`begin_weights`) or
+`update_weights` (for vLLM also when
 its engine-core process died, which the adapter surfaces as an exception), the wrapper logs it, closes
 the broken engine (best effort), builds a new one with `build()` (the start model) and installs the
-newest weights it received: `update_weights` keeps a CPU copy of the last named tensors, so the new
+newest weights it received: a landing (and `update_weights`) keeps a CPU copy of the last version's
+tensors when rebuilds are allowed, so the new
 engine runs at the version the old one had (or at the newer one it had staged), and the staleness
 accounting stays right. Every request the broken engine held is answered by the next `step()` with a
 finished output, finish_reason "error", which the agent loop ends as a failed episode (cause
 "llm_error"). Held requests are failed, not re-issued: a re-run is not exact (sampled tokens depend on
 the batch and the lost generator state) and a request that broke the engine would break the next one.
 
-Who waits on whom: the rank loop thread steps, adds, aborts and rebuilds; the weights thread calls
-`update_weights`. `_lock` serialises `update_weights` with a rebuild, so weights received during a
-rebuild go into the new engine, never into the closed one. A failure inside `update_weights` (weights
-thread) only marks the engine broken; the loop thread rebuilds at its next call.
+Who waits on whom: the rank loop thread steps, adds, aborts and rebuilds; the weights thread lands a
+version (`begin_weights` .. `commit`) or calls `update_weights`. `_lock`, held from `begin_weights` to
+the landing's `commit`/`abort`, serialises a landing with a rebuild, so weights received during a
+rebuild go into the new engine, never into the closed one. A failure inside a landing (weights thread)
+only marks the engine broken (the landing goes on keeping the tensors); the loop thread rebuilds at its
+next call.
 
 Invariants: every added request yields exactly one finished output (the engine's, or an "error" output
 after a failure); `version` never goes backwards across a rebuild; each failure (of the engine or of
