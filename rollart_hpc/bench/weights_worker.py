@@ -2,7 +2,8 @@
 
 Rank 0 publishes, ranks 1..R receive, all in one standalone group. Per size and repetition, after an
 MPI barrier, rank 0 notes the wall clock and runs one of two transfers of the same bytes:
-- ours: `WeightPublisher.publish` + `wait`; each receiver's `receive(on_bucket, into=staged)` lands the
+- ours: `WeightPublisher.publish` (or, with `stream`, `publish_stream` one tensor at a time, as the
+  trainer publishes its units) + `wait`; each receiver's `receive(on_bucket, into=staged)` lands the
   tensors that have a bucket of their own (the layout's `direct_bytes`) straight in a staged parameter
   dict and copies every other bucket, as soon as it lands, into it while the next buckets are on the
   wire, then swaps the staged dict with the active one (no forward would mix versions: a
@@ -76,7 +77,7 @@ def time_ours(
     """One publish; receivers stage each bucket as it lands (lone buckets straight in the staged copy)."""
     world.barrier()
     if world.rank == 0:
-        return _publish_once(side, models[0], version, config["snapshot"])
+        return _publish_once(side, models[0], version, config["snapshot"], config.get("stream", False))
     landed: list[float] = []
     copy_s = [0.0]
     staged = models[1]
@@ -100,11 +101,14 @@ def time_ours(
 
 
 def _publish_once(
-    side: Any, named: dict[str, torch.Tensor], version: int, snapshot: bool
+    side: Any, named: dict[str, torch.Tensor], version: int, snapshot: bool, stream: bool = False
 ) -> dict[str, float]:
     fill(named, version)
     start = time.time()
-    side.publish(version, named, snapshot=snapshot)
+    if stream:  # as the trainer: one unit (here one tensor) at a time
+        side.publish_stream(version, ({name: tensor} for name, tensor in named.items()))
+    else:
+        side.publish(version, named, snapshot=snapshot)
     published = time.time()
     side.wait_packed()
     packed = time.time()
