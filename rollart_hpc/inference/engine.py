@@ -446,26 +446,33 @@ class _Landing:
 
     def commit(self, direct: Iterable[str] = ()) -> None:
         """Stage the version; `direct`: the names the caller wrote straight into `targets`."""
-        engine = self._close()
-        done = self.landed | set(direct)
-        if self.base is not None and len(done) < len(self.targets):
-            with torch.no_grad():
-                for name, tensor in unpack_weights(engine.config, self.base).items():
-                    if name not in done:
-                        self.targets[name].copy_(tensor)
-        staged = relink_weights(self.staging, engine.linear_backend)
-        with engine._stage_lock:
-            engine._staged = (staged, self.version)
+        engine = self.engine
+        self._check_open()
+        try:
+            done = self.landed | set(direct)
+            if self.base is not None and len(done) < len(self.targets):
+                with torch.no_grad():
+                    for name, tensor in unpack_weights(engine.config, self.base).items():
+                        if name not in done:
+                            self.targets[name].copy_(tensor)
+            staged = relink_weights(self.staging, engine.linear_backend)
+            with engine._stage_lock:
+                engine._staged = (staged, self.version)
+        finally:
+            self._close()
 
     def abort(self) -> None:
+        """Leave the staging unstaged (a version staged before this landing, landed over, is dropped)."""
+        self._check_open()
         self._close()
 
-    def _close(self) -> LLMEngine:
+    def _check_open(self) -> None:
         if not self._open:
             raise RuntimeError(f"the landing of weights v{self.version} is already closed")
+
+    def _close(self) -> None:
         self._open = False
         self.engine._update_lock.release()
-        return self.engine
 
 
 def _empty_like(weights: PackedWeights) -> PackedWeights:
