@@ -9,13 +9,15 @@ RL step 2 on a second batch. LAYOUT_LOSS_IMPL (fused | eager) picks `trainer.los
 LAYOUT_SEQUENCE_PARALLEL=1 turns on sequence parallelism. Rank 0 writes `OUT/result.pt`: each step's metrics, the HF weights
 gathered after each step, whether the unit-by-unit gather of the publication path gives the same tensors in
 the same order (with the largest unit's tensor count), and whether `save_hf` wrote the last step's weights.
-`dist.gather_object` raises in this world: the weights move as tensors.
+`dist.gather_object` raises while the weights are gathered: they move as tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,8 +37,20 @@ def global_batch(vocab: int, seed: int) -> object:
     return from_sequences(tokens, masks, behaviour, adv)
 
 
-def _no_pickles(*args: object, **kwargs: object) -> None:
-    raise AssertionError("the weights must be gathered as tensors, not with gather_object")
+@contextlib.contextmanager
+def _no_pickles() -> Iterator[None]:
+    """Publication and save_hf gather tensors: `dist.gather_object` raises meanwhile (Megatron's
+    distributed checkpoints still use it for their save plans)."""
+    import torch.distributed as dist
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights must be gathered as tensors, not with gather_object")
+
+    saved, dist.gather_object = dist.gather_object, refuse
+    try:
+        yield
+    finally:
+        dist.gather_object = saved
 
 
 def main(argv: list[str]) -> None:
@@ -50,7 +64,6 @@ def main(argv: list[str]) -> None:
     model_dir, out, store, tp, pp, mbt, load_from, save_to = argv
     rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    dist.gather_object = _no_pickles  # publication and save_hf gather tensors, never pickled objects
     cfg = TrainerConfig(
         optim=OptimConfig(lr=1e-4, weight_decay=0.01, grad_clip=1.0),
         micro_batch_tokens=int(mbt),
@@ -71,16 +84,18 @@ def main(argv: list[str]) -> None:
         shard = split_across_ranks(batch, world)[rank]  # type: ignore[arg-type]
         metrics = trainer.rl_step(shard, batch.num_action_tokens, LossConfig())  # type: ignore[attr-defined]
         result["metrics"].append(metrics)  # type: ignore[attr-defined]
-        whole = trainer.hf_state_dict()
+        with _no_pickles():
+            whole = trainer.hf_state_dict()
+            # The publication path: one unit gathered at a time, together the same tensors in the same order.
+            units = list(trainer.hf_units())
         result["weights"].append(whole)  # type: ignore[attr-defined]
-        # The publication path: one unit gathered at a time, together the same tensors in the same order.
-        units = list(trainer.hf_units())
         merged = {name: t for unit in units for name, t in unit.items()}
         same = list(merged) == list(whole) and all(torch.equal(merged[k], whole[k]) for k in whole)
         result.setdefault("units_match", []).append((same, max(len(u) for u in units) if units else 0))  # type: ignore[attr-defined]
         if step == 1 and save_to:
             trainer.save_checkpoint(save_to)
-    saved = trainer.save_hf(Path(out) / "hf")
+    with _no_pickles():
+        saved = trainer.save_hf(Path(out) / "hf")
     if rank == 0:
         from rollart_hpc.models.checkpoint import load_weights
 
