@@ -4,7 +4,7 @@ Rank 0 is a trainer: it holds the model's weights on its GPU and publishes versi
 perturbed) through the real path, `WeightPublisher` over a standalone NCCL group (gloo when the machine
 has one GPU: NCCL cannot put two ranks on one device). Rank 1 is a rollout rank: it serves a
 `VLLMEngine` (TP=1), receives the version with `WeightReceiver` while long requests are running, and
-loads it with `engine.update_weights` (pause -> load -> version -> resume).
+lands it bucket by bucket with `engine.begin_weights` (pause -> load each bucket -> version -> resume).
 
 Measured and written to OUT/gpu_vllm_check.json (by rank 1, with the trainer's numbers merged in):
 engine start, greedy generation throughput, the receive and load times of the update against a raw
@@ -232,9 +232,10 @@ def update_in_flight(
     time.sleep(0.5)
     world.send("go", 0, TAG)
     start = time.perf_counter()
-    version, named = receiver.receive()
+    landing = engine.begin_weights(1)
+    version = receiver.receive(landing.land)
     received = time.perf_counter()
-    engine.update_weights(named, version)
+    landing.commit()
     loaded = time.perf_counter()
     outs: dict[str, Any] = {}
     while engine.has_unfinished():

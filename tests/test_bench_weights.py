@@ -39,9 +39,12 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_worker_config_carries_the_modes_and_checks_sizes() -> None:
     default = worker_config(_parse())
-    assert default["snapshot"] is True and default["compare_copy_after"] is False
-    config = worker_config(_parse("--deferred-pack", "--compare-copy-after", "--sizes-mb", "10,100"))
-    assert config["snapshot"] is False and config["compare_copy_after"] is True
+    assert default["snapshot"] is True
+    config = worker_config(_parse("--deferred-pack", "--sizes-mb", "10,100"))
+    assert config["snapshot"] is False and config["stream"] is False
+    assert worker_config(_parse("--stream"))["stream"] is True
+    with pytest.raises(UsageError, match="exclude each other"):
+        worker_config(_parse("--stream", "--deferred-pack"))
     assert config["sizes_bytes"] == [10_000_000, 100_000_000]
     with pytest.raises(UsageError):
         worker_config(_parse("--sizes-mb", "0"))

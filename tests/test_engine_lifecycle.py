@@ -187,6 +187,39 @@ def test_update_weights_copies_sender_tensors(w1_dir: Path) -> None:
     assert torch.equal(engine.weights()["model.norm.weight"], torch.ones(config.hidden_size))
 
 
+def test_a_landing_writes_the_idle_half_of_a_double_buffer_and_swaps_between_steps(
+    w1_dir: Path, w2_dir: Path
+) -> None:
+    """Versions land in the snapshot no forward reads (the same two snapshots alternate, nothing else
+    allocated per version): bucket by bucket through `land`, or straight into `targets`; the engine keeps
+    sampling the old version until the commit, and the swap comes between two steps."""
+    engine = _engine(w1_dir, version=1, linear_backend="dense")
+    w1, w2 = load_weights(w1_dir), load_weights(w2_dir)
+    engine.add_request("a", [5, 9, 11], SamplingParams(temperature=0.0, max_tokens=12))
+    engine.step()
+    first = engine.weights()["model.layers.0.mlp.up_proj.weight"].data_ptr()
+    pointers = []
+    for version, source in ((2, w2), (3, w1), (4, w2)):
+        landing = engine.begin_weights(version)
+        names = list(source)
+        half = len(names) // 2
+        landing.land([(n, source[n]) for n in names[:half]])  # as buckets arrive
+        engine.step()  # generation goes on at the active version meanwhile
+        assert engine.version == version - 1 and not engine.has_staged_weights()
+        for name in names[half:]:  # as a receiver landing lone buckets in place
+            landing.targets[name].copy_(source[name])
+        landing.commit(names[half:])
+        assert engine.version == version - 1 and engine.has_staged_weights()
+        engine.step()
+        assert engine.version == version
+        active = engine.weights()
+        assert all(torch.equal(active[n], source[n]) for n in names)
+        pointers.append(active["model.layers.0.mlp.up_proj.weight"].data_ptr())
+    assert pointers[1] == first and pointers[0] == pointers[2] != first
+    out = _drain(engine)["a"]
+    assert out.versions[:4] == [1, 1, 2, 2] and out.versions[-1] == 4
+
+
 def test_async_front_shares_batch_and_matches_sync(w1_dir: Path, w2_dir: Path) -> None:
     prompts = {f"r{i}": [5 + i, 9, 11, 4 + 2 * i] for i in range(6)}
     sync = _engine(w1_dir, num_slots=6)

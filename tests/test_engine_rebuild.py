@@ -72,8 +72,30 @@ class FakeEngine:
         self._event("update_weights", version, float(named[0][1].sum()))
         self.staged = version
 
+    def begin_weights(self, version: int) -> _FakeLanding:
+        self._event("begin_weights", version)
+        return _FakeLanding(self, version)
+
     def close(self) -> None:
         self.events.append(("close", self.index))
+
+
+class _FakeLanding:
+    """Lands into one staged tensor `w` (a target); `land` fails when the engine's `fail_on` has "land"."""
+
+    def __init__(self, engine: FakeEngine, version: int) -> None:
+        self.engine, self.version = engine, version
+        self.targets = {"w": torch.zeros(2)}
+
+    def land(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.engine._event("land", self.version, float(sum(t.sum() for _, t in named)))
+
+    def commit(self, direct: Iterable[str] = ()) -> None:
+        self.engine._event("commit", self.version, sorted(direct), float(self.targets["w"].sum()))
+        self.engine.staged = self.version
+
+    def abort(self) -> None:
+        self.engine._event("abort_landing", self.version)
 
 
 def _resilient(
@@ -152,6 +174,26 @@ def test_weights_received_while_broken_go_into_the_rebuilt_engine() -> None:
     engine.step()  # rebuilds (stepping the idle new engine once to swap the weights in), then steps it
     assert events[-3:] == [("step", 1), ("log", "rollout engine rebuilt"), ("step", 1)]
     assert ("update_weights", 1, 2, 4.0) in events and engine.version == 2
+
+
+def test_a_landing_goes_through_and_a_failed_one_is_kept_for_the_rebuild() -> None:
+    """A landing reaches the inner engine (bucket copies and tensors written straight in its targets);
+    when the inner landing fails the engine is broken, the landing keeps every tensor, and the rebuilt
+    engine gets the whole version (in-place ones included)."""
+    events: list[tuple[Any, ...]] = []
+    engine = _resilient(events, [{"land"}, set()])
+    landing = engine.begin_weights(3)
+    landing.targets["w"].fill_(1.5)  # landed in place by the receiver
+    landing.land([("b", torch.full((2,), 2.0))])  # a bucket: the inner landing breaks
+    landing.commit(["w"])
+    assert ("land", 0, 3, 4.0) in events and not any(e[0] == "commit" for e in events)
+    engine.step()  # rebuilds with the kept version
+    assert ("update_weights", 1, 3, 4.0) in events and engine.version == 3  # b (4.0) first, then w
+    landing = engine.begin_weights(4)
+    landing.targets["w"].fill_(0.5)
+    landing.commit(["w"])
+    engine.step()
+    assert events[-2][:4] == ("commit", 1, 4, ["w"]) and engine.version == 4
 
 
 def test_the_rank_fails_once_its_rebuilds_are_spent_and_failed_builds_count() -> None:

@@ -107,6 +107,7 @@ def test_tensor_pipeline_and_data_parallel_steps_match_one_rank(model_dir: Path,
             # and the units together are the same model in the same order
             same, largest = got["units_match"][step]
             assert same and largest <= 12, (tp, pp, dp, largest)
+        assert got["saved_match"]  # save_hf writes the gathered weights (no gather_object: it raises)
 
 
 def test_a_checkpoint_resumes_at_another_layout(model_dir: Path, tmp_path: Path) -> None:
@@ -116,7 +117,7 @@ def test_a_checkpoint_resumes_at_another_layout(model_dir: Path, tmp_path: Path)
     straight = _run(model_dir, tmp_path / "save", 2, 1, 2, save_to=str(ckpt))
     resumed = _run(model_dir, tmp_path / "resume", 1, 2, 1, load_from=str(ckpt))
     assert len(resumed["metrics"]) == 1
-    _assert_same_step({k: v[1:] for k, v in straight.items()}, resumed, 0)
+    _assert_same_step({k: v[1:] for k, v in straight.items() if isinstance(v, list)}, resumed, 0)
 
 
 def test_qwen3_tensor_parallel_steps_match_one_rank(tmp_path: Path) -> None:

@@ -526,3 +526,53 @@ def test_attention_and_recompute_settings_give_the_same_rl_step(model_dir: Path)
         metrics = other.rl_step(batch, batch.num_action_tokens, LossConfig())
         assert metrics["loss"] == pytest.approx(m_ref["loss"], rel=1e-5), (attention, recompute)
         torch.testing.assert_close(other.grad_buffer, ref.grad_buffer, rtol=1e-5, atol=1e-7)
+
+
+class _PackingSender:
+    """The sender surface `train.main.publish` uses: packs each unit as it comes (a copy per tensor, as
+    into a send bucket) and records, per unit, the bytes of the copies the trainer converted (tensors
+    that are not views of its parameters) still alive."""
+
+    def __init__(self, live: set[int]) -> None:
+        self.packed: dict[str, torch.Tensor] = {}
+        self.alive_bytes: list[int] = []
+        self.live = live
+
+    def publish_stream(self, version: int, chunks: Iterator[dict[str, torch.Tensor]]) -> None:
+        import weakref
+
+        produced: list[weakref.ref[torch.Tensor]] = []
+        for chunk in chunks:
+            held = [t for ref in produced if (t := ref()) is not None]
+            copies = [t for t in [*held, *chunk.values()] if t.untyped_storage().data_ptr() not in self.live]
+            self.alive_bytes.append(sum(t.numel() * t.element_size() for t in copies))
+            del copies
+            del held
+            produced += [weakref.ref(t) for t in chunk.values()]
+            self.packed.update((n, t.detach().clone()) for n, t in chunk.items())
+            del chunk
+
+
+def test_tp1_publication_streams_unit_by_unit_with_no_whole_model_copy(model_dir: Path) -> None:
+    """At one model-parallel rank the publication converts and hands over one unit at a time (the
+    embedding, the final norm, each layer): never more than one unit of converted tensors alive, and
+    what it publishes is bit-identical to the trainer's weights after the step."""
+    from rollart_hpc.train.main import publish
+
+    trainer = _trainer(model_dir)
+    trainer.sft_step(_batch(trainer.config.vocab_size, [15, 21], [0.0, 0.0]))
+    live = {p.untyped_storage().data_ptr() for p in trainer.gpt.parameters()}
+    sender = _PackingSender(live)
+    publish(trainer, sender, 1)  # type: ignore[arg-type]
+    expected = trainer.hf_state_dict()
+    model_bytes = sum(t.numel() * t.element_size() for t in expected.values())
+    assert len(sender.alive_bytes) == trainer.config.num_layers + 2
+    copied = [
+        sum(t.numel() * t.element_size() for t in unit.values() if t.untyped_storage().data_ptr() not in live)
+        for unit in trainer.hf_units()
+    ]
+    assert sender.alive_bytes == copied  # only the unit at hand is alive
+    assert 0 < max(copied) < model_bytes / 2
+    assert list(sender.packed) == list(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(sender.packed[name].view(torch.uint8), tensor.view(torch.uint8)), name

@@ -267,7 +267,13 @@ def test_rank_loop_serves_requests_and_swaps_weights_through_the_vllm_engine(
     engine = state["engine"]
     new_index, new_version = 1 - state["loaded"], engine.version + 1
     named = list(load_weights(state["dirs"][new_index]).items())
-    receiver = SimpleNamespace(receive=lambda: (new_version, named))
+
+    def receive(on_bucket: Any, into: Any = None) -> int:  # as `WeightReceiver`: bucket by bucket
+        for start in range(0, len(named), 4):
+            on_bucket(named[start : start + 4])
+        return new_version
+
+    receiver = SimpleNamespace(receive=receive, landable=lambda into: {})
     a, b = _prompts((9, 14), seed=8, vocab=state["vocab"])
 
     def outputs(sent: list[tuple[Any, int, int]]) -> int:

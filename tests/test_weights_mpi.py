@@ -1,7 +1,7 @@
 """Weight broadcast in a real MPI world (mpiexec, 1 publisher + 2 receivers, standalone gloo group).
 
-"roundtrip" runs the transport contract (mpi_scripts/weights_contract.py, also run in-process by
-test_weights_transport.py) over `GroupWeightSender`/`GroupWeightReceiver`, announced over MPI."""
+"roundtrip" runs the transport contract (mpi_scripts/weights_contract.py) over `WeightPublisher`/
+`WeightReceiver`, announced over MPI."""
 
 import json
 import subprocess

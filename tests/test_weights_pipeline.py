@@ -67,6 +67,15 @@ class _FakeGroup:
         self.events.append(("arrive", round_id))
 
 
+def _collect(
+    rec: WeightReceiver, into: dict[str, torch.Tensor] | None = None
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """Receive one version; (version, a copy of every tensor, or the `into` tensor it landed in)."""
+    got: dict[str, torch.Tensor] = {}
+    version = rec.receive(lambda views: got.update((n, v.clone()) for n, v in views), into=into)
+    return version, {n: got[n] if n in got else (into or {})[n] for n in (s.name for s in rec.layout.slots)}
+
+
 def _publish(named: dict[str, torch.Tensor], snapshot: bool = True, checksum: bool = False) -> _FakeGroup:
     group = _FakeGroup(0)
     pub = WeightPublisher(group, layout_for(named.items(), BUCKET_BYTES), checksum)  # type: ignore[arg-type]
@@ -75,7 +84,7 @@ def _publish(named: dict[str, torch.Tensor], snapshot: bool = True, checksum: bo
     return group
 
 
-def test_receiver_consumes_each_bucket_before_the_next_lands_with_all_issued_first() -> None:
+def test_receiver_consumes_each_bucket_while_the_next_is_on_the_wire_two_in_flight() -> None:
     named = model(1)
     sender = _publish(named)
     group = _FakeGroup(1, sender.sent)
@@ -89,28 +98,33 @@ def test_receiver_consumes_each_bucket_before_the_next_lands_with_all_issued_fir
         group.events.append(("consume", len(consumed)))
         consumed.update((n, v.clone()) for n, v in views)
 
-    version, views = rec.receive(consume)
+    version = rec.receive(consume)
     first = 3  # two layout broadcasts, then the header, then one per bucket
     buckets = range(first, first + num_buckets)
-    expected = [("arrive", 1), ("issue", 2), ("land", 2), *[("issue", i) for i in buckets]]
-    for i in buckets:
-        expected += [("land", i), ("consume", -1)]
+    expected = [("arrive", 1), ("issue", 2), ("land", 2), ("issue", first), ("issue", first + 1)]
+    for i in buckets:  # bucket i consumed, then its ring buffer takes bucket i + 2
+        expected += [("land", i), ("consume", -1)] + (
+            [("issue", i + 2)] if i + 2 < first + num_buckets else []
+        )
     got = [(kind, -1 if kind == "consume" else i) for kind, i in group.events]
     assert version == 3 and got == expected
     for name, tensor in named.items():
         assert torch.equal(consumed[name].view(torch.uint8), tensor.view(torch.uint8))
-    assert [n for n, _ in views] == list(named)
+    assert list(consumed) == list(named)
 
 
-def test_receiver_reuses_its_buckets_across_versions() -> None:
-    sender = _publish(model(1))
+def test_receiver_holds_a_ring_of_two_buckets_reused_across_versions() -> None:
+    named = model(1)
+    sender = _publish(named)
     group = _FakeGroup(1, sender.sent + sender.sent[2:])
     rec = WeightReceiver(group, 0)  # type: ignore[arg-type]
-    _, first = rec.receive()
-    pointers = [b.data_ptr() for b in rec.buckets]
-    _, second = rec.receive()
-    assert [b.data_ptr() for b in rec.buckets] == pointers
-    assert [v.data_ptr() for _, v in first] == [v.data_ptr() for _, v in second]
+    _, first = _collect(rec)
+    pointers = [b.data_ptr() for b in rec.ring]
+    _, second = _collect(rec)
+    assert [b.data_ptr() for b in rec.ring] == pointers
+    assert rec.allocated_bytes == 2 * max(rec.layout.bucket_nbytes) < rec.layout.total_nbytes
+    for name, tensor in named.items():
+        assert torch.equal(first[name], tensor) and torch.equal(second[name], tensor)
 
 
 def test_consumer_error_is_raised_after_every_bucket_and_the_checksums_landed() -> None:
@@ -145,8 +159,8 @@ def test_deferred_publish_returns_before_packing_and_sends_the_tensors() -> None
     for tensor in named.values():
         tensor.fill_(0.0)  # allowed once packed
     pub.wait()
-    _, views = WeightReceiver(_FakeGroup(1, group.sent), 0).receive()  # type: ignore[arg-type]
-    for name, view in views:
+    _, views = _collect(WeightReceiver(_FakeGroup(1, group.sent), 0))  # type: ignore[arg-type]
+    for name, view in views.items():
         assert torch.equal(view.view(torch.uint8), expected[name].view(torch.uint8))
 
 
@@ -173,15 +187,14 @@ def test_receive_into_lands_lone_buckets_in_the_callers_tensors_without_a_bucket
             seen.append(name)
             staged[name].copy_(view)
 
-    version, views = rec.receive(stage, into=staged)
+    assert rec.landable(staged) == {n: staged[n] for n in lone}
+    version = rec.receive(stage, into=staged)
     assert version == 5 and sorted(seen) == sorted(set(named) - lone)
-    assert [n for n, _ in views] == list(named)
-    for name, view in views:
+    for name in named:
         assert torch.equal(staged[name].view(torch.uint8), named[name].view(torch.uint8))
-        assert (view.data_ptr() == pointers[name]) == (name in lone)  # in place: the caller's own tensor
     assert {n: t.data_ptr() for n, t in staged.items()} == pointers
-    lone_buckets = {s.bucket for s in layout.slots if s.name in lone}
-    assert all(rec.buckets[i].numel() == 0 for i in lone_buckets)  # never needed a receive buffer
+    shared = {s.bucket for s in layout.slots if s.name not in lone}
+    assert rec.allocated_bytes == 2 * max(layout.bucket_nbytes[i] for i in shared)  # no lone bucket's size
 
 
 def test_receive_into_a_mismatched_tensor_fails_before_any_broadcast_and_the_stream_survives() -> None:
@@ -201,7 +214,7 @@ def test_receive_into_a_mismatched_tensor_fails_before_any_broadcast_and_the_str
     with pytest.raises(ValueError, match="not contiguous"):
         rec.receive(into=strided)
     assert rec_group.issued == issued and rec.round == 0
-    version, views = rec.receive(into={"w2": torch.zeros(1500)})
+    version, views = _collect(rec, into={"w2": torch.zeros(1500)})
     assert version == 6
-    for name, view in views:
+    for name, view in views.items():
         assert torch.equal(view.view(torch.uint8), named[name].view(torch.uint8))

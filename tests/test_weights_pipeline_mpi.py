@@ -91,11 +91,12 @@ def _receive_direct(world: Any, group: Any, result: dict[str, Any]) -> None:
                 copied.append(name)
                 staged[name].copy_(view)
 
-        got, views = rec.receive(stage, into=staged if world.rank == 1 else None)
+        got = rec.receive(stage, into=rec.landable(staged) if world.rank == 1 else None)
         result["received"][str(got)] = digest(staged)
-        result["views"][str(got)] = digest(views)
-        result["in_place"][str(got)] = sorted(n for n, v in views if v.data_ptr() == pointers[n])
+        result["in_place"][str(got)] = sorted(set(staged) - set(copied))
         result["copied"][str(got)] = sorted(copied)
+        assert all(t.data_ptr() == pointers[n] for n, t in staged.items())
+    result["direct_ring_bytes"] = rec.allocated_bytes
 
 
 def _receive(world: Any, group: Any, result: dict[str, Any]) -> None:
@@ -104,25 +105,33 @@ def _receive(world: Any, group: Any, result: dict[str, Any]) -> None:
     rec = WeightReceiver(group, 0)
     staged = {n: torch.empty_like(t) for n, t in model(0).items()}
     result["received"], result["views"], result["bucket_calls"] = {}, {}, {}
+    result["ring_bytes"] = []
     for version in (*VERSIONS, FAILING_VERSION, LAST_VERSION):
         calls: list[list[str]] = []
+        seen: dict[str, str] = {}
 
         def stage(
-            views: list[tuple[str, torch.Tensor]], calls: list[list[str]] = calls, version: int = version
+            views: list[tuple[str, torch.Tensor]],
+            calls: list[list[str]] = calls,
+            version: int = version,
+            seen: dict[str, str] = seen,
         ) -> None:
             calls.append([n for n, _ in views])
+            seen.update(digest(views))
             if version == FAILING_VERSION and world.rank == 1 and len(calls) == 2:
                 raise ValueError("consumer failed")
             for name, view in views:
                 staged[name].copy_(view)
 
         try:
-            got, views = rec.receive(stage)
+            got = rec.receive(stage)
         except ValueError as exc:
             result["consumer_error"] = str(exc)
             continue
+        finally:
+            result["ring_bytes"].append(rec.allocated_bytes)
         result["received"][str(got)] = digest(staged)
-        result["views"][str(got)] = digest(views)
+        result["views"][str(got)] = seen
         result["bucket_calls"][str(got)] = calls
     _receive_direct(world, group, result)
 
@@ -176,6 +185,19 @@ def test_staged_copies_and_views_are_bit_identical_in_both_snapshot_modes(
 
 
 @pytest.mark.mpi
+def test_receiver_holds_only_the_buckets_in_flight(results: list[dict[str, Any]]) -> None:
+    """The receive buffers are a ring of two buckets (the default depth), each as large as the largest
+    bucket that lands in one, not one buffer per bucket: below the model's bytes."""
+    sizes, direct = results[0]["bucket_nbytes"], results[0]["direct_bucket_nbytes"]
+    for rank in (1, 2):
+        assert set(results[rank]["ring_bytes"]) == {2 * max(sizes)}
+        assert 2 * max(sizes) < sum(sizes)
+    # Landing the lone buckets in place, receiver 1's ring holds only the shared bucket (the smallest).
+    assert results[1]["direct_ring_bytes"] == 2 * min(direct) < results[2]["direct_ring_bytes"]
+    assert results[2]["direct_ring_bytes"] == 2 * max(direct)
+
+
+@pytest.mark.mpi
 def test_on_bucket_sees_each_bucket_once_in_layout_order(results: list[dict[str, Any]]) -> None:
     names = list(model(0))
     for rank in (1, 2):
@@ -204,7 +226,6 @@ def test_direct_layout_lands_large_tensors_in_place_and_both_receivers_agree(
     for version in map(str, DIRECT_VERSIONS):
         for rank in (1, 2):
             assert results[rank]["received"][version] == published[version]
-            assert results[rank]["views"][version] == published[version]
         assert set(results[1]["in_place"][version]) == big  # landed straight in the staged tensors
         assert set(results[1]["copied"][version]) == set(model(0)) - big
         assert results[2]["in_place"][version] == [] and set(results[2]["copied"][version]) == set(model(0))

@@ -46,9 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="publish with snapshot=False: return at once, pack in the background (tensors held until packed)",
     )
     parser.add_argument(
-        "--compare-copy-after",
+        "--stream",
         action="store_true",
-        help="also time, in the same repetitions, receivers that copy every bucket only after the transfer",
+        help="publish_stream one tensor at a time, as the trainer publishes its units (packed before it returns)",
     )
 
 
@@ -67,6 +67,10 @@ def worker_config(args: argparse.Namespace) -> dict[str, object]:
         raise UsageError(f"--receivers: must be >= 1, got {args.receivers}")
     if args.bucket_mb <= 0 or args.repeats < 1 or args.timeout_s <= 0:
         raise UsageError("--bucket-mb and --timeout-s must be > 0 and --repeats >= 1")
+    if args.stream and args.deferred_pack:
+        raise UsageError(
+            "--stream and --deferred-pack exclude each other (a stream is packed before it returns)"
+        )
     if args.direct_mb < 0 or 0 < args.direct_mb * 1e6 < 64:
         raise UsageError(f"--direct-mb: must be 0 (off) or at least 64 bytes, got {args.direct_mb:g}")
     return {
@@ -77,7 +81,7 @@ def worker_config(args: argparse.Namespace) -> dict[str, object]:
         "backend": args.backend,
         "timeout_s": args.timeout_s,
         "snapshot": not args.deferred_pack,
-        "compare_copy_after": args.compare_copy_after,
+        "stream": args.stream,
     }
 
 

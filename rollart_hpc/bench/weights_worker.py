@@ -2,7 +2,8 @@
 
 Rank 0 publishes, ranks 1..R receive, all in one standalone group. Per size and repetition, after an
 MPI barrier, rank 0 notes the wall clock and runs one of two transfers of the same bytes:
-- ours: `WeightPublisher.publish` + `wait`; each receiver's `receive(on_bucket, into=staged)` lands the
+- ours: `WeightPublisher.publish` (or, with `stream`, `publish_stream` one tensor at a time, as the
+  trainer publishes its units) + `wait`; each receiver's `receive(on_bucket, into=staged)` lands the
   tensors that have a bucket of their own (the layout's `direct_bytes`) straight in a staged parameter
   dict and copies every other bucket, as soon as it lands, into it while the next buckets are on the
   wire, then swaps the staged dict with the active one (no forward would mix versions: a
@@ -71,13 +72,12 @@ def check(named: dict[str, torch.Tensor], version: int) -> None:
 
 
 def time_ours(
-    world: World, side: Any, models: list[dict[str, torch.Tensor]], version: int, config: dict[str, Any],
-    overlap: bool = True,
+    world: World, side: Any, models: list[dict[str, torch.Tensor]], version: int, config: dict[str, Any]
 ) -> dict[str, float]:  # fmt: skip
-    """One publish; receivers stage each bucket as it lands (`overlap`) or all views after the transfer."""
+    """One publish; receivers stage each bucket as it lands (lone buckets straight in the staged copy)."""
     world.barrier()
     if world.rank == 0:
-        return _publish_once(side, models[0], version, config["snapshot"])
+        return _publish_once(side, models[0], version, config["snapshot"], config.get("stream", False))
     landed: list[float] = []
     copy_s = [0.0]
     staged = models[1]
@@ -89,13 +89,11 @@ def time_ours(
                 staged[name].copy_(view)
         copy_s[0] += time.time() - landed[-1]
 
-    got, views = side.receive(stage if overlap else None, into=staged)
+    got = side.receive(stage, into=side.landable(staged))
     returned = time.time()
-    if not overlap:
-        stage(views)
     # The last bucket landed when `on_bucket` saw it, or (landed in place: no call) when receive returned.
     last_in_place = lone_slot(side.layout, side.layout.num_buckets - 1) is not None
-    last_landed = returned if overlap and last_in_place else landed[-1]
+    last_landed = returned if last_in_place or not landed else landed[-1]
     models.reverse()  # the swap: the staged copy becomes the active one
     done = time.time()
     check(models[0], got)
@@ -103,11 +101,14 @@ def time_ours(
 
 
 def _publish_once(
-    side: Any, named: dict[str, torch.Tensor], version: int, snapshot: bool
+    side: Any, named: dict[str, torch.Tensor], version: int, snapshot: bool, stream: bool = False
 ) -> dict[str, float]:
     fill(named, version)
     start = time.time()
-    side.publish(version, named, snapshot=snapshot)
+    if stream:  # as the trainer: one unit (here one tensor) at a time
+        side.publish_stream(version, ({name: tensor} for name, tensor in named.items()))
+    else:
+        side.publish(version, named, snapshot=snapshot)
     published = time.time()
     side.wait_packed()
     packed = time.time()
@@ -136,20 +137,12 @@ def bench_size(
     models = [named] if world.rank == 0 else [named, {n: torch.empty_like(t) for n, t in named.items()}]
     ours: list[Any] = []
     raw: list[Any] = []
-    after: list[Any] = []
     for rep in range(config["repeats"] + 1):  # the first repetition warms the connections up
         ours.append(world.gather_to_root(time_ours(world, side, models, 2 * rep + 1, config)))
         raw.append(world.gather_to_root(time_raw(world, group, flat)))
-        if config.get("compare_copy_after"):
-            after.append(world.gather_to_root(time_ours(world, side, models, 2 * rep + 2, config, False)))
     if world.rank != 0:
         return None
     row = summarise(nbytes, side.layout, ours[1:], raw[1:])
-    if after:
-        after_s = statistics.median(_span(rep) for rep in after[1:])
-        pause_s = statistics.median(max(r["pause_s"] for r in rep[1:]) for rep in after[1:])
-        row.update(copy_after_s=after_s, ratio_vs_raw_copy_after=row["raw_s"] / after_s,
-                   receiver_pause_copy_after_s=pause_s)  # fmt: skip
     return row
 
 

@@ -296,9 +296,9 @@ class TrainingConfig:
     bucket_mb: float = doc_field(32.0, "Weight publication bucket size, MiB.")
     bucket_direct_mb: float = doc_field(
         1.0,
-        "Weights of at least this many MiB get a publication bucket of their own: broadcast straight from "
-        "the trainer's copy (no packing) and landed without a bucket copy by a receiver that stages into "
-        "its own tensors (0 = off: every weight packed into the shared buckets).",
+        "Weights of at least this many MiB get a publication bucket of their own, landed by the built-in "
+        "engine straight in its staging tensors, no receive buffer or bucket copy (0 = off: every weight "
+        "packed into the shared buckets).",
     )
     ppo_epochs: int = doc_field(
         1, "PPO epochs over each RL batch (> 1: the proximal log-probs are the step's start, clipping acts)."

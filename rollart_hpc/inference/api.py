@@ -8,7 +8,11 @@ Contract (checked for both engines by tests/engine_contract.py):
   abort or error); `has_unfinished()` stays true until that output was returned;
 - each output token carries its log-prob under the distribution it was sampled from (finite, <= 0) and
   the policy version of the weights that produced it;
-- `update_weights` may be called from another thread while the caller steps; the new weights take
+- `begin_weights(version)` opens a `WeightLanding`: the receiver lands a version in it bucket by bucket
+  (`land`, and straight into `targets` where the engine offers its own staging tensors), then
+  `commit()` stages it (or `abort()` drops it); `update_weights(named, version)` is the same for tensors
+  already at hand. Neither copies the whole model anywhere but into the engine's own staging;
+- `update_weights` (and a landing) may be called from another thread while the caller steps; the new weights take
   effect between two steps (no forward mixes versions), `version` changes when they do, and every token
   sampled after that carries the new version; `has_staged_weights()` is true while a version is staged
   or loading and not yet active;
@@ -19,13 +23,36 @@ Contract (checked for both engines by tests/engine_contract.py):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+
+class WeightLanding(Protocol):
+    """One version landing in an engine (see the module docstring); used from one thread."""
+
+    @property
+    def targets(self) -> Mapping[str, torch.Tensor]:
+        """HF-named tensors of the engine's staging that whole tensors may land in directly (may be
+        empty); the caller writes each at most once and reads none."""
+        ...
+
+    def land(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy these tensors (HF names; valid only during the call) into the staging."""
+        ...
+
+    def commit(self, direct: Iterable[str] = ()) -> None:
+        """Everything landed (`direct`: the names the caller wrote straight into `targets`): the version
+        takes effect between two steps."""
+        ...
+
+    def abort(self) -> None:
+        """Drop what landed; the engine keeps its weights."""
+        ...
 
 
 class Engine(Protocol):
@@ -54,6 +81,10 @@ class Engine(Protocol):
 
     def has_staged_weights(self) -> bool:
         """True while new weights are staged or loading and not yet active."""
+        ...
+
+    def begin_weights(self, version: int) -> WeightLanding:
+        """Open the landing of `version` (a later landing waits until this one is committed or aborted)."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

@@ -39,6 +39,7 @@ errors (a duplicate request id) raise ValueError.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -50,7 +51,14 @@ import torch
 
 from rollart_hpc.contracts.generation import FinishReason, RequestOutput, SamplingParams
 from rollart_hpc.inference.decoder import Decoder, Segment, SlotKVCache
-from rollart_hpc.inference.packed import PackedWeights, pack_weights, resolve_backend, unpack_weights
+from rollart_hpc.inference.packed import (
+    Linear,
+    PackedWeights,
+    pack_weights,
+    relink_weights,
+    resolve_backend,
+    unpack_weights,
+)
 from rollart_hpc.inference.prefix_cache import PrefixIndex
 from rollart_hpc.inference.sampling import sample
 from rollart_hpc.models.checkpoint import check_weights, drop_tied_head, load_weights
@@ -128,6 +136,7 @@ class LLMEngine:
         self._stage_lock = threading.Lock()
         self._update_lock = threading.Lock()
         self._staged: tuple[PackedWeights, int] | None = None
+        self._spare: PackedWeights | None = None  # the staging half of the double buffer
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> LLMEngine:
@@ -193,21 +202,35 @@ class LLMEngine:
                 return True
         return False
 
+    def begin_weights(self, version: int) -> _Landing:
+        """Open the landing of `version` into the staging snapshot (see `_Landing`); a second landing
+        waits until this one is committed or aborted. Thread-safe; generation continues meanwhile."""
+        self._update_lock.acquire()
+        try:
+            with self._stage_lock:
+                staged, self._staged = self._staged, None
+            if staged is not None:  # not yet swapped in: land over it (it already holds the newest)
+                return _Landing(self, staged[0], version, base=None)
+            if self._spare is None:
+                self._spare = _empty_like(self._weights)
+            return _Landing(self, self._spare, version, base=self._weights)
+        except BaseException:
+            self._update_lock.release()
+            raise
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Stage new weights (HF names; a subset updates only those) to be swapped in before the next step.
 
-        Thread-safe; generation continues meanwhile. A later call before the swap replaces the staged
+        Thread-safe; generation continues meanwhile. A later call before the swap lands over the staged
         snapshot (merging over it). For a tied head, `lm_head.weight` is dropped (it is the embedding).
         """
-        tensors = drop_tied_head(self.config, dict(named_tensors))
-        check_weights(self.config, tensors, complete=False)
-        with self._update_lock:
-            with self._stage_lock:
-                base = self._staged[0] if self._staged is not None else self._weights
-            merged = {**unpack_weights(self.config, base), **tensors}
-            packed = pack_weights(self.config, merged, self.dtype, self.linear_backend)
-            with self._stage_lock:
-                self._staged = (packed, version)
+        landing = self.begin_weights(version)
+        try:
+            landing.land(list(named_tensors))
+        except BaseException:
+            landing.abort()
+            raise
+        landing.commit()
 
     def close(self) -> None:
         """Nothing to release (no threads, processes or shared buffers); part of the `Engine` contract."""
@@ -242,6 +265,7 @@ class LLMEngine:
             staged, self._staged = self._staged, None
         if staged is None:
             return
+        self._spare = self._weights  # no forward reads it any more: the next version lands in it
         self._weights, self._version = staged
         if self.recompute_on_swap:
             self._prefix.clear()
@@ -397,6 +421,85 @@ class LLMEngine:
         dst = self._prefix.victim(self._prefix_rows)
         self._cache.move(row, dst, req.cached)
         self._prefix.store(dst, req.tokens()[: req.cached])
+
+
+class _Landing:
+    """One version landing in the engine's staging snapshot, the half of the double buffer that no
+    forward reads: `targets` are its HF-named dense views (contiguous), `land` copies tensors into them,
+    `commit` fills what did not land from the active snapshot (a partial update), re-derives the linear
+    backend's private layouts and stages it; `abort` leaves it unstaged. Holds the engine's update lock
+    from `begin_weights` until `commit` or `abort`."""
+
+    def __init__(self, engine: LLMEngine, staging: PackedWeights, version: int, base: PackedWeights | None):
+        self.engine, self.staging, self.version, self.base = engine, staging, version, base
+        self.targets: dict[str, torch.Tensor] = unpack_weights(engine.config, staging)
+        self.landed: set[str] = set()
+        self._open = True
+
+    def land(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        tensors = drop_tied_head(self.engine.config, dict(named))
+        check_weights(self.engine.config, tensors, complete=False)
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                self.targets[name].copy_(tensor)
+        self.landed.update(tensors)
+
+    def commit(self, direct: Iterable[str] = ()) -> None:
+        """Stage the version; `direct`: the names the caller wrote straight into `targets`."""
+        engine = self.engine
+        self._check_open()
+        try:
+            done = self.landed | set(direct)
+            if self.base is not None and len(done) < len(self.targets):
+                with torch.no_grad():
+                    for name, tensor in unpack_weights(engine.config, self.base).items():
+                        if name not in done:
+                            self.targets[name].copy_(tensor)
+            staged = relink_weights(self.staging, engine.linear_backend)
+            with engine._stage_lock:
+                engine._staged = (staged, self.version)
+        finally:
+            self._close()
+
+    def abort(self) -> None:
+        """Leave the staging unstaged (a version staged before this landing, landed over, is dropped)."""
+        self._check_open()
+        self._close()
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise RuntimeError(f"the landing of weights v{self.version} is already closed")
+
+    def _close(self) -> None:
+        self._open = False
+        self.engine._update_lock.release()
+
+
+def _empty_like(weights: PackedWeights) -> PackedWeights:
+    """A snapshot of the same structure with fresh (uninitialised) tensors: the staging half."""
+
+    def fresh(linear: Linear) -> Linear:
+        bias = None if linear.bias is None else torch.empty_like(linear.bias)
+        return Linear(torch.empty_like(linear.weight), bias)
+
+    layers = tuple(
+        dataclasses.replace(
+            layer,
+            input_norm=torch.empty_like(layer.input_norm),
+            post_norm=torch.empty_like(layer.post_norm),
+            qkv=fresh(layer.qkv),
+            o_proj=fresh(layer.o_proj),
+            gate_up=fresh(layer.gate_up),
+            down=fresh(layer.down),
+            q_norm=None if layer.q_norm is None else torch.empty_like(layer.q_norm),
+            k_norm=None if layer.k_norm is None else torch.empty_like(layer.k_norm),
+        )
+        for layer in weights.layers
+    )
+    embed = torch.empty_like(weights.embed)
+    tied = weights.lm_head.weight is weights.embed
+    head = Linear(embed) if tied else fresh(weights.lm_head)
+    return PackedWeights(embed, layers, torch.empty_like(weights.norm), head)
 
 
 def _load_tokenizer(model_dir: Path) -> Any | None:

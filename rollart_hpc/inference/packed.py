@@ -1,8 +1,10 @@
-"""Immutable per-version weight snapshots for the forward pass, built from HF-named tensors.
+"""Per-version weight snapshots for the forward pass, built from HF-named tensors.
 
 q/k/v and gate/up projections are concatenated once at pack time so that a layer is 4 matmuls. A
-`PackedWeights` is never mutated: a new policy version is a new snapshot, so a forward pass that
-holds one snapshot can never see two versions.
+`PackedWeights` is never written while a forward pass may read it: the engine keeps two (double
+buffer), writes a new version into the one no forward reads (`unpack_weights` gives its contiguous
+HF-named views; `relink_weights` then re-derives the backend's layouts) and swaps between two steps,
+so a forward pass that holds one snapshot can never see two versions.
 
 Linear backends (explicit registry): "dense" runs `F.linear` on the [out, in] weight (bit-for-bit the
 arithmetic HF uses); "onednn" additionally keeps a oneDNN-prepacked copy of each weight and runs
@@ -12,6 +14,7 @@ dense in the last bits). The dense weight is always kept: it is what `unpack_wei
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -110,7 +113,7 @@ def pack_weights(
 ) -> PackedWeights:
     """Pack a complete HF-named weight dict (as from `checkpoint.load_weights`) into a new snapshot."""
     backend = resolve_backend(backend, dtype)
-    with torch.inference_mode():
+    with torch.no_grad():  # plain tensors (not inference tensors): later versions are written into them
         embed = _own(hf["model.embed_tokens.weight"], dtype)
         head = embed if config.tie_word_embeddings else _own(hf["lm_head.weight"], dtype)
         return PackedWeights(
@@ -119,6 +122,28 @@ def pack_weights(
             norm=_own(hf["model.norm.weight"], dtype),
             lm_head=_linear(head, None, backend),
         )
+
+
+def relink_weights(weights: PackedWeights, backend: str) -> PackedWeights:
+    """`weights` after its dense tensors were written in place: the backend's private layouts derived
+    again (a new snapshot sharing the dense tensors), or `weights` itself when the backend has none."""
+    if backend != "onednn":
+        return weights
+
+    def relink(linear: Linear) -> Linear:
+        return _linear(linear.weight, linear.bias, backend)
+
+    layers = tuple(
+        dataclasses.replace(
+            layer,
+            qkv=relink(layer.qkv),
+            o_proj=relink(layer.o_proj),
+            gate_up=relink(layer.gate_up),
+            down=relink(layer.down),
+        )  # fmt: skip
+        for layer in weights.layers
+    )
+    return PackedWeights(weights.embed, layers, weights.norm, relink(weights.lm_head))
 
 
 def unpack_weights(config: ModelConfig, packed: PackedWeights) -> dict[str, torch.Tensor]:

@@ -9,8 +9,9 @@ interaction with AsyncLLM happens on that loop: add_request and abort schedule c
 return at once; step() collects finished outputs from a thread-safe queue (waiting at most `poll_s` for
 the first one), since vLLM schedules and batches continuously on its own.
 
-Weight swap (update_weights, blocking the calling thread): pause_generation(mode="keep",
-clear_cache=True) -> collective_rpc(begin a layerwise reload) -> per chunk of at most `staging_bytes`
+Weight swap (`begin_weights`, then `land` per received bucket and `commit`, on the weight thread; or
+`update_weights` for tensors at hand): pause_generation(mode="keep", clear_cache=True) ->
+collective_rpc(begin a layerwise reload) -> per landed bucket, per chunk of at most `staging_bytes`
 (one publication bucket; a larger tensor alone): pack it into the staging buffer shared with the workers
 (`vllm_staging`, sized for one chunk, never the whole model), collective_rpc(load it) -> collective_rpc
 (finish the reload) -> update_weight_version(str(v)) -> resume_generation(). "keep" freezes running
@@ -195,34 +196,44 @@ class VLLMEngine:
             except queue.Empty:
                 return outputs
 
+    def begin_weights(self, version: int) -> _VLLMLanding:
+        """Pause between two steps and begin a layerwise reload; each landed bucket is then loaded
+        through the staging buffer at once (see `_VLLMLanding`). A second landing waits for this one."""
+        self._update_lock.acquire()
+        try:
+            self._raise_if_failed()
+            self._updating = True
+            self._call(self._llm.pause_generation(mode="keep", clear_cache=True), self.rpc_timeout_s)
+            landing = _VLLMLanding(self, version)
+            landing.run(lambda: self._call(self._llm.collective_rpc(BEGIN_METHOD), self.rpc_timeout_s))
+            return landing
+        except BaseException:
+            self._updating = False
+            self._update_lock.release()
+            raise
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights (HF names) into the running engine between two steps; returns once loaded.
 
         The tensors are copied before this returns, so the caller may reuse their storage afterwards.
         """
-        with self._update_lock:
-            self._raise_if_failed()
-            self._updating = True
-            try:
-                tensors = dict(named_tensors)
-                chunks = chunk_layouts(list(tensors.items()), self.staging_bytes)
-                staging = self._staging_for(max((c.total_nbytes for c in chunks), default=0))
-                self._call(self._llm.pause_generation(mode="keep", clear_cache=True), self.rpc_timeout_s)
-                try:
-                    self._call(self._llm.collective_rpc(BEGIN_METHOD), self.rpc_timeout_s)
-                    for chunk in chunks:
-                        staging.write(chunk, tensors)
-                        load = self._llm.collective_rpc(LOAD_METHOD, args=(staging.handle, chunk.to_bytes()))
-                        self._call(load, self.rpc_timeout_s)
-                    self._call(self._llm.collective_rpc(FINISH_METHOD), self.rpc_timeout_s)
-                    self._call(self._llm.update_weight_version(str(version)), self.rpc_timeout_s)
-                except BaseException as exc:  # paused, half loaded: the engine serves nothing more
-                    self._error = VLLMEngineError(f"loading weights v{version} into vLLM failed: {exc!r}")
-                    raise
-                self._call(self._llm.resume_generation(), self.rpc_timeout_s)
-                self._version = version
-            finally:
-                self._updating = False
+        landing = self.begin_weights(version)
+        try:
+            landing.land(list(named_tensors))
+        except BaseException:
+            landing.abort()
+            raise
+        landing.commit()
+
+    def _load_chunks(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Load `named` into the workers, chunk by chunk through the staging buffer."""
+        tensors = dict(named)
+        chunks = chunk_layouts(named, self.staging_bytes)
+        staging = self._staging_for(max((c.total_nbytes for c in chunks), default=0))
+        for chunk in chunks:
+            staging.write(chunk, tensors)
+            load = self._llm.collective_rpc(LOAD_METHOD, args=(staging.handle, chunk.to_bytes()))
+            self._call(load, self.rpc_timeout_s)
 
     def close(self) -> None:
         """Shut the engine (and its child processes) down and stop the loop thread."""
@@ -331,6 +342,53 @@ class VLLMEngine:
                 self._staging.close()
             self._staging = StagingBuffer(nbytes, _staging_device())
         return self._staging
+
+
+class _VLLMLanding:
+    """One version landing in a paused vLLM engine: `land` loads each bucket as it comes (through the
+    staging buffer, one chunk at a time), `commit` finishes the reload, sets the version and resumes.
+    A failure on the way (or `abort`) leaves the engine paused and failed: nothing is sampled from a
+    half-loaded model. No tensor is landed in place (`targets` is empty): the workers own the weights."""
+
+    def __init__(self, engine: VLLMEngine, version: int) -> None:
+        self.engine, self.version = engine, version
+        self._open = True
+
+    @property
+    def targets(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def run(self, call: Any) -> None:
+        try:
+            call()
+        except BaseException as exc:
+            self.engine._error = VLLMEngineError(f"loading weights v{self.version} into vLLM failed: {exc!r}")
+            raise
+
+    def land(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.run(lambda: self.engine._load_chunks(named))
+
+    def commit(self, direct: Iterable[str] = ()) -> None:
+        engine = self.engine
+        try:
+            self.run(lambda: engine._call(engine._llm.collective_rpc(FINISH_METHOD), engine.rpc_timeout_s))
+            version = str(self.version)
+            self.run(lambda: engine._call(engine._llm.update_weight_version(version), engine.rpc_timeout_s))
+            engine._call(engine._llm.resume_generation(), engine.rpc_timeout_s)
+            engine._version = self.version
+        finally:
+            self._close()
+
+    def abort(self) -> None:
+        if self.engine._error is None:
+            self.engine._error = VLLMEngineError(f"loading weights v{self.version} into vLLM was aborted")
+        self._close()
+
+    def _close(self) -> None:
+        if self._open:
+            self._open = False
+            self.engine._updating = False
+            self.engine._update_lock.release()
 
 
 def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:

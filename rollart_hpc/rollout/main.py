@@ -3,8 +3,9 @@ MPI, weights swapped in the background.
 
 Loop: receive GENERATE/ABORT from env ranks and WEIGHTS announcements from the publishing trainer; step the
 engine while it has work; send each finished output back to the env rank that asked. On WEIGHTS(v) a
-background thread joins the weight broadcast and hands the tensors to `engine.update_weights`; the
-engine swaps them between two steps (no forward mixes versions; the vLLM engine pauses, loads and
+background thread opens the engine's landing of v (`engine.begin_weights`) and joins the weight
+broadcast, each bucket landing in the engine's staging as it comes (lone buckets straight in its
+tensors; the receiver holds only the buckets in flight); the engine swaps them between two steps (no forward mixes versions; the vLLM engine pauses, loads and
 resumes inside that call), after which this rank reports
 LOADED(v) to the controller. Every wait is bounded: the mailbox's liveness check names a silent peer.
 The engine is a `ResilientEngine` (`rollart_hpc.rollout.resilient`): a failed engine is rebuilt in place
@@ -42,13 +43,13 @@ from rollart_hpc.rollout.costs import CostProfile, StepMeter
 from rollart_hpc.rollout.resilient import FaultInjector, ResilientEngine, arm_fault_signal
 
 if TYPE_CHECKING:
-    from rollart_hpc.weights.transport import WeightSource
+    from rollart_hpc.weights.publisher import WeightReceiver
 
 
 class _WeightThread:
     """Receives one published version off the main loop and stages it into the engine."""
 
-    def __init__(self, receiver: WeightSource, engine: Engine) -> None:
+    def __init__(self, receiver: WeightReceiver, engine: Engine) -> None:
         self.receiver, self.engine = receiver, engine
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -60,10 +61,16 @@ class _WeightThread:
 
     def _run(self, version: int) -> None:
         try:
-            got_version, named = self.receiver.receive()
-            if got_version != version:
-                raise RuntimeError(f"announced weights version {version} but received {got_version}")
-            self.engine.update_weights(named, got_version)
+            landing = self.engine.begin_weights(version)
+            try:  # each bucket lands in the engine's staging as it comes (straight in, where it can)
+                direct = self.receiver.landable(landing.targets)
+                got_version = self.receiver.receive(landing.land, into=direct)
+                if got_version != version:
+                    raise RuntimeError(f"announced weights version {version} but received {got_version}")
+            except BaseException:
+                landing.abort()
+                raise
+            landing.commit(direct)
         except BaseException as exc:  # re-raised in the main loop
             self.error = exc
 
@@ -108,7 +115,7 @@ class _Held:
 def serve(
     ctx: RunContext,
     engine: Engine,
-    receiver: WeightSource,
+    receiver: WeightReceiver,
     pool: str = DEFAULT_POOL,
     meter: StepMeter | None = None,
 ) -> None:
@@ -164,7 +171,8 @@ def serve(
 
 
 def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
-    from rollart_hpc.weights.transport import GroupWeightReceiver, join_run_weight_group  # torch
+    from rollart_hpc.weights.publisher import WeightReceiver
+    from rollart_hpc.weights.transport import join_run_weight_group  # torch
 
     group = join_run_weight_group(ctx)  # first of all, as the first trainer does
     assert group is not None, "every rollout rank is a member of the weights group"
@@ -175,7 +183,7 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     torch.set_num_threads(rollout.num_threads)
     start: WorkerStart = ctx.mailbox.wait_for(Tag.START, source=0).payload
     model_dir = Path(start.model_dir)
-    receiver = GroupWeightReceiver.open(group)
+    receiver = WeightReceiver(group)
     seed = config.run.seed + ctx.world.rank
     dtype = engine_dtype(rollout, config.trainer.precision)
     engine = resilient_engine(rollout, config.trainer, model_dir, start.version, seed, ctx.log.warning)

@@ -1,20 +1,24 @@
 """Engines replaced in place: `ResilientEngine` wraps a rollout rank's `Engine` and rebuilds it on failure.
 
 Dataflow: the rank loop (`rollart_hpc.rollout.main.serve`) drives a `ResilientEngine` like any engine.
-When the inner engine raises from `step`, `add_request`, `abort` or `update_weights` (for vLLM also when
+When the inner engine raises from `step`, `add_request`, `abort`, a weight landing (`begin_weights`) or
+`update_weights` (for vLLM also when
 its engine-core process died, which the adapter surfaces as an exception), the wrapper logs it, closes
 the broken engine (best effort), builds a new one with `build()` (the start model) and installs the
-newest weights it received: `update_weights` keeps a CPU copy of the last named tensors, so the new
+newest weights it received: a landing (and `update_weights`) keeps a CPU copy of the last version's
+tensors when rebuilds are allowed, so the new
 engine runs at the version the old one had (or at the newer one it had staged), and the staleness
 accounting stays right. Every request the broken engine held is answered by the next `step()` with a
 finished output, finish_reason "error", which the agent loop ends as a failed episode (cause
 "llm_error"). Held requests are failed, not re-issued: a re-run is not exact (sampled tokens depend on
 the batch and the lost generator state) and a request that broke the engine would break the next one.
 
-Who waits on whom: the rank loop thread steps, adds, aborts and rebuilds; the weights thread calls
-`update_weights`. `_lock` serialises `update_weights` with a rebuild, so weights received during a
-rebuild go into the new engine, never into the closed one. A failure inside `update_weights` (weights
-thread) only marks the engine broken; the loop thread rebuilds at its next call.
+Who waits on whom: the rank loop thread steps, adds, aborts and rebuilds; the weights thread lands a
+version (`begin_weights` .. `commit`) or calls `update_weights`. `_lock`, held from `begin_weights` to
+the landing's `commit`/`abort`, serialises a landing with a rebuild, so weights received during a
+rebuild go into the new engine, never into the closed one. A failure inside a landing (weights thread)
+only marks the engine broken (the landing goes on keeping the tensors); the loop thread rebuilds at its
+next call.
 
 Invariants: every added request yields exactly one finished output (the engine's, or an "error" output
 after a failure); `version` never goes backwards across a rebuild; each failure (of the engine or of
@@ -31,11 +35,11 @@ from __future__ import annotations
 import random
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
-from rollart_hpc.inference.api import Engine
+from rollart_hpc.inference.api import Engine, WeightLanding
 
 if TYPE_CHECKING:
     import torch
@@ -168,6 +172,19 @@ class ResilientEngine:
             except Exception as exc:
                 self._broken = exc
 
+    def begin_weights(self, version: int) -> _ResilientLanding:
+        """The inner engine's landing, kept (a CPU copy of each landed tensor, when rebuilds are allowed)
+        for a rebuild; a failure of the inner landing marks the engine broken and the landing goes on
+        collecting, so the rebuild installs the version."""
+        self._lock.acquire()
+        inner = None
+        if self._broken is None:
+            try:
+                inner = self.engine.begin_weights(version)
+            except Exception as exc:
+                self._broken = exc
+        return _ResilientLanding(self, inner, version)
+
     def close(self) -> None:
         self.engine.close()
 
@@ -224,6 +241,59 @@ class ResilientEngine:
             _close_quietly(engine, self._log)
             raise
         return engine
+
+
+class _ResilientLanding:
+    """A landing through `ResilientEngine` (holds its lock from `begin_weights` to `commit`/`abort`)."""
+
+    def __init__(self, owner: ResilientEngine, inner: WeightLanding | None, version: int) -> None:
+        self.owner, self.inner, self.version = owner, inner, version
+        self.kept: NamedTensors | None = [] if owner.max_rebuilds > 0 else None
+        self._targets: Mapping[str, torch.Tensor] = inner.targets if inner is not None else {}
+
+    @property
+    def targets(self) -> Mapping[str, torch.Tensor]:
+        return self._targets
+
+    def land(self, named: NamedTensors) -> None:
+        if self.kept is not None:
+            self.kept += [(name, t.detach().to("cpu", copy=True)) for name, t in named]
+        if self.inner is not None:
+            try:
+                self.inner.land(named)
+            except Exception as exc:
+                self._fail(exc)
+
+    def commit(self, direct: Iterable[str] = ()) -> None:
+        try:
+            names = list(direct)
+            if self.kept is not None:
+                self.kept += [(name, self._targets[name].detach().to("cpu", copy=True)) for name in names]
+                self.owner._newest = (self.kept, self.version)
+            if self.inner is not None:
+                try:
+                    self.inner.commit(names)
+                except Exception as exc:
+                    self.inner = None
+                    self.owner._broken = exc
+        finally:
+            self.owner._lock.release()
+
+    def abort(self) -> None:
+        try:
+            if self.inner is not None:
+                self.inner.abort()
+        finally:
+            self.owner._lock.release()
+
+    def _fail(self, exc: Exception) -> None:
+        assert self.inner is not None
+        try:
+            self.inner.abort()
+        except Exception as abort_exc:  # the engine is broken already; the rebuild replaces it
+            self.owner._log(f"aborting the failed weight landing v{self.version}: {abort_exc!r}")
+        self.inner = None
+        self.owner._broken = exc
 
 
 def _close_quietly(engine: Engine, log: Callable[[str], None]) -> None:

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from rollart_hpc.train.batch import PackedBatch
     from rollart_hpc.train.trainer import Trainer
-    from rollart_hpc.weights.transport import WeightSender
+    from rollart_hpc.weights.publisher import WeightPublisher
 
 
 def init_trainer_group(ctx: RunContext) -> None:
@@ -147,18 +147,13 @@ def shard_to_batch(shard: TrainShard) -> PackedBatch:
     )
 
 
-def publish(trainer: Trainer, sender: WeightSender | None, version: int) -> None:
+def publish(trainer: Trainer, sender: WeightPublisher | None, version: int) -> None:
     """Publish the weights as `version` (the sender lives on the first trainer; every rank of the first
-    replica calls this). One model-parallel rank: `hf_state_dict()` returns fresh copies that nothing
-    changes, so they are announced, then packed and sent in the background without a second copy. Under
-    tensor or pipeline parallelism the weights are gathered one unit at a time (`Trainer.hf_units`) and
-    each bucket goes on the wire as soon as its units are packed: the whole model never meets on one rank."""
-    lay = trainer.layout
-    if lay.tp_size * lay.pp_size == 1:
-        weights = trainer.hf_state_dict()
-        if sender is not None:
-            sender.publish(version, weights, snapshot=False)
-    elif sender is not None:
+    replica calls this). At every layout the weights are converted (and, under tensor or pipeline
+    parallelism, gathered) one unit at a time (`Trainer.hf_units`), each unit packed into the send
+    buckets as it comes and each bucket on the wire as soon as it is complete: no whole-model copy, and
+    the whole model never meets on one rank outside the send buckets."""
+    if sender is not None:
         sender.publish_stream(version, trainer.hf_units())
     else:
         for _ in trainer.hf_units():  # this rank's share of each unit's gather
@@ -166,7 +161,7 @@ def publish(trainer: Trainer, sender: WeightSender | None, version: int) -> None
 
 
 def rl_loop(
-    config: Config, ctx: RunContext, trainer: Trainer, sender: WeightSender | None, weights_bytes: int = 0
+    config: Config, ctx: RunContext, trainer: Trainer, sender: WeightPublisher | None, weights_bytes: int = 0
 ) -> float:
     from rollart_hpc.algo.loss import loss_config  # torch
 
@@ -219,7 +214,7 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
         ".* is (deprecated|a private function).*",
         category=FutureWarning,
     )
-    from rollart_hpc.weights.transport import GroupWeightSender, announce_to, join_run_weight_group  # torch
+    from rollart_hpc.weights.transport import announce_to, join_run_weight_group, open_publisher  # torch
 
     group = join_run_weight_group(ctx)  # first of all, as the rollout ranks do (None off the first trainer)
     import torch
@@ -263,7 +258,7 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
         dtypes = ", ".join(sorted({str(t.dtype).removeprefix("torch.") for t in specs.values()}))
         ctx.log.info(f"publishing {len(specs)} tensors, {weights_bytes} bytes per version ({dtypes})")
         announce = announce_to(ctx.mailbox, ctx.ranks["rollout"], Tag.WEIGHTS, WeightAnnouncement)
-        sender = GroupWeightSender.open(
+        sender = open_publisher(
             group, specs, config.trainer.bucket_mb, announce, direct_mb=config.trainer.bucket_direct_mb
         )
     busy_s = rl_loop(config, ctx, trainer, sender, weights_bytes)

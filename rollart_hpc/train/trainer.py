@@ -48,8 +48,9 @@ from rollart_hpc.train.batch import (
     token_positions,
 )
 from rollart_hpc.train.config import TrainerConfig
-from rollart_hpc.train.convert import from_stage, megatron_to_hf, stage_layers, unit_entries, unit_to_hf
+from rollart_hpc.train.convert import from_stage, stage_layers, unit_entries, unit_to_hf
 from rollart_hpc.train.convert import hf_units as convert_units
+from rollart_hpc.train.gather import gather_hf_units
 from rollart_hpc.train.lm_head import token_entropy, token_logprobs
 from rollart_hpc.train.model import Layout, ensure_model_parallel, gpt_from_hf
 
@@ -500,54 +501,37 @@ class Trainer:
         return from_stage(local, layers, lay.first_stage, self.model_config.tie_word_embeddings)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """A snapshot (copies) of the weights under HF names and shapes; no `lm_head.weight` when tied.
-
-        All ranks call it together: the tensor and pipeline shards of the first replica are gathered
-        on trainer rank 0, which returns the whole model; every other rank returns {}."""
-        from megatron.core import parallel_state
-
-        cfg, lay = self.model_config, self.layout
-        if lay.dp_rank != 0:
-            return {}
-        if lay.tp_size * lay.pp_size == 1:
-            return {k: v.clone() for k, v in megatron_to_hf([self._stage_state()], cfg).items()}
-        group = parallel_state.get_model_parallel_group()
-        dst = dist.get_process_group_ranks(group)[0]
-        mine = ((lay.pp_rank, lay.tp_rank), {k: v.cpu() for k, v in self._stage_state().items()})
-        gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-        dist.gather_object(mine, gathered, dst=dst, group=group)
-        if gathered is None:
-            return {}
-        return _assemble_hf(sorted(gathered, key=lambda item: item[0]), cfg, lay.pp_size)
+        """A snapshot of the weights under HF names and shapes (no `lm_head.weight` when tied), the union
+        of `hf_units()` (the tensors that share storage with the model copied): the whole model on
+        trainer rank 0, {} on every other rank. All ranks call it together."""
+        live = {p.untyped_storage().data_ptr() for p in self.gpt.parameters()}
+        return {
+            name: t.clone() if t.untyped_storage().data_ptr() in live else t
+            for unit in self.hf_units()
+            for name, t in unit.items()
+        }
 
     def hf_units(self) -> Iterator[dict[str, torch.Tensor]]:
         """The HF weights unit by unit (`convert.hf_units`: the embedding, the final norm and head, each
-        layer), each gathered on trainer rank 0 from the ranks of the first replica that hold it, so no
+        layer), converted one unit at a time and, under tensor or pipeline parallelism, gathered as
+        tensors on trainer rank 0 from the ranks of the first replica that hold it (`gather`), so no
         rank ever holds more than its own shard plus one unit; rank 0 yields the unit's HF tensors, the
-        other ranks of the replica empty dicts. Their union is `hf_state_dict()`, in its order. All ranks
-        of the first replica iterate it together (one gather per unit); other replicas get nothing."""
+        other ranks of the replica empty dicts. All ranks of the first replica iterate it together;
+        other replicas get nothing. A unit's tensors may share storage with the model (norms): they
+        are valid until the next optimizer step."""
         from megatron.core import parallel_state
 
         cfg, lay = self.model_config, self.layout
         if lay.dp_rank != 0:
             return
-        if lay.tp_size * lay.pp_size == 1:
-            yield self.hf_state_dict()
-            return
-        group = parallel_state.get_model_parallel_group()
-        dst = dist.get_process_group_ranks(group)[0]
         state = self._stage_state()
-        for unit in convert_units(cfg.num_layers, lay.pp_size):
-            mine = ((lay.pp_rank, lay.tp_rank), {k: v.cpu() for k, v in unit_entries(state, unit).items()})
-            gathered: list[Any] | None = (
-                [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-            )
-            dist.gather_object(mine, gathered, dst=dst, group=group)
-            if gathered is None:
-                yield {}
-                continue
-            shards = [part for _, part in sorted(gathered, key=lambda item: item[0]) if part]
-            yield unit_to_hf(shards, cfg, unit)
+        if lay.tp_size * lay.pp_size == 1:
+            for unit in convert_units(cfg.num_layers, 1):
+                yield unit_to_hf([unit_entries(state, unit)], cfg, unit)
+            return
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+        yield from gather_hf_units(state, cfg, lay, tp_group, pp_ranks)
 
     def save_hf(self, directory: str | Path) -> Path:
         """Write an HF model directory (safetensors + the source's config and tokenizer files) atomically:
@@ -582,17 +566,6 @@ class Trainer:
         self.step = checkpoint.load(directory, self.gpt, self.optimizer)
         parallel.set_hyperparameters(self.optimizer, self.cfg)
         return self.step
-
-
-def _assemble_hf(
-    shards: list[tuple[tuple[int, int], dict[str, torch.Tensor]]], cfg: ModelConfig, pp_size: int
-) -> dict[str, torch.Tensor]:
-    """HF weights from every (pp_rank, tp_rank) shard, sorted by stage then tensor rank."""
-    out: dict[str, torch.Tensor] = {}
-    for stage in range(pp_size):
-        tp_shards = [state for (pp, _), state in shards if pp == stage]
-        out.update(megatron_to_hf(tp_shards, cfg, stage_layers(cfg.num_layers, stage, pp_size)))
-    return out
 
 
 def _behaviour_gap(micro: PackedBatch, lp: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:

@@ -19,22 +19,22 @@ Dataflow of one version (round r, counted from 1 on every member):
    twice): each chunk is packed into its slots as it comes, and each bucket's broadcast is issued as soon as
    it and every bucket before it are complete; it returns once the last chunk is packed (a snapshot, as
    above).
-2. receiver: `receive(on_bucket)` marks its arrival, takes part in the header broadcast, checks the header
-   against its layout, then issues every bucket broadcast at once into its receive buffers (allocated once,
-   reused by every version) and waits for them in order; as soon as bucket i has landed it calls `on_bucket`
-   with that bucket's named views while buckets i+1.. are still on the wire, so the consumer's copy out of
-   the buckets overlaps the transfer. It returns (version, named views of all buckets, in layout order). The
-   views stay valid until the next `receive()`; the caller copies them into its engine
-   (`engine.update_weights(named, version)`, or bucket by bucket into a staging copy from `on_bucket`)
-   before calling `receive()` again, so a version is never mixed with the next one. With checksums enabled
-   the buckets are verified only after the last one landed: what `on_bucket` saw is valid only once
-   `receive()` returns without raising. `receive(on_bucket, into=staged)` lands every lone bucket (one
-   tensor, `buckets.lone_slot`, e.g. a layout planned with `direct_bytes`) whose name is in `staged`
-   straight in that tensor (contiguous, same shape, dtype and device; checked before any broadcast, a
-   mismatch is a ValueError): no copy out of a bucket. `on_bucket` then sees only the views that still need
-   copying (buckets landed in place are skipped), and the returned list names the `staged` tensors
-   themselves for them. The caller must not read those tensors (no forward on them) until `receive()`
-   returns: they are the staging half of a double-buffered consumer.
+2. receiver: `receive(on_bucket, into)` marks its arrival, takes part in the header broadcast, checks the
+   header against its layout, then keeps at most `depth` (default 2) bucket broadcasts in flight, each
+   landing in one of a ring of `depth` receive buffers (allocated on first use, as large as the largest
+   bucket that lands in one, reused by every version): as soon as bucket i has landed it calls
+   `on_bucket` with that bucket's named views while bucket i+1 is on the wire, then issues bucket
+   i+depth into the freed buffer. So the receiver never holds more than the buckets in flight, and the
+   consumer must copy each bucket out during its call (the rollout rank lands it in its engine's
+   staging: `Engine.begin_weights`); `receive` returns the version. With checksums enabled each bucket's
+   checksum is computed as it lands and compared once the publisher's arrive after the last bucket: what
+   `on_bucket` saw is valid only once `receive()` returns without raising. `into=staged` lands every lone
+   bucket (one tensor, `buckets.lone_slot`, e.g. a layout planned with `direct_bytes`) whose name is in
+   `staged` straight in that tensor (contiguous, same shape, dtype and device; checked before any
+   broadcast, a mismatch is a ValueError; `landable` picks the entries that qualify): no ring buffer and
+   no copy. `on_bucket` then sees only the buckets that still need copying. The caller must not read
+   those tensors (no forward on them) until `receive()` returns: they are the staging half of a
+   double-buffered consumer.
 
 Who waits on whom: every wait on a broadcast is bounded by the group timeout and names the peers on
 timeout (`StandaloneGroup.wait`); `wait_packed` waits only for local copies. If `on_bucket` raises, the
@@ -44,14 +44,16 @@ re-raises, so no broadcast of that version is left writing into its buffers and 
 Errors: a publisher-side failure (timeout naming the silent receiver, checksum broadcast) is kept by the
 background thread and raised by the next `publish()`, `wait()` or `wait_packed()`. After any error the group is broken.
 
-The notification ("version n is coming") is not part of these classes: `rollart_hpc.weights.transport`
-wraps them with it (`GroupWeightSender` announces each version before its broadcast). Publisher and
+The notification ("version n is coming"): a publisher built with `announce` calls it with each version
+after the previous version was delivered and before the new one's header (in a run, a WEIGHTS message
+to every rollout rank: `transport.announce_to`), so an announcement of v precedes the delivery of v. Publisher and
 receivers must be built in the same order on every member (both constructors are collective: they share
 the layout).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -60,6 +62,7 @@ import torch
 
 from rollart_hpc.weights.buckets import (
     BucketLayout,
+    TensorSlot,
     bucket_checksum,
     check_matches,
     dtype_name,
@@ -73,6 +76,7 @@ from rollart_hpc.weights.group import StandaloneGroup
 MAGIC = 0x5EED_B0C7
 HEADER_LEN = 5
 BucketConsumer = Callable[[list[tuple[str, torch.Tensor]]], None]
+Announce = Callable[[int], None]
 
 
 class WeightSyncError(RuntimeError):
@@ -98,8 +102,15 @@ def _device_for(backend: str) -> torch.device:
 class WeightPublisher:
     """The sending side; see the module docstring for the protocol and the snapshot rule."""
 
-    def __init__(self, group: StandaloneGroup, layout: BucketLayout, checksum: bool = False) -> None:
+    def __init__(
+        self,
+        group: StandaloneGroup,
+        layout: BucketLayout,
+        checksum: bool = False,
+        announce: Announce | None = None,
+    ) -> None:
         self.group = group
+        self.announce = announce
         self.layout = share_layout(group, layout, group.member)
         self.checksum = checksum
         self.device = _device_for(group.backend)
@@ -132,6 +143,8 @@ class WeightPublisher:
         the packing run in the background thread; the caller leaves its tensors unchanged until
         `wait_packed()` (or `wait()`) returns."""
         self.wait()
+        if self.announce is not None:
+            self.announce(version)
         tensors = dict(named.items() if isinstance(named, Mapping) else named)
         check_matches(self.layout, tensors)
         self._packed.clear()
@@ -156,6 +169,8 @@ class WeightPublisher:
         """Start broadcasting `version` from `chunks` of named tensors (together exactly the layout's names,
         in any order); see the module docstring. Returns once every chunk is packed."""
         self.wait()
+        if self.announce is not None:
+            self.announce(version)
         header, works = self._start_round(version)
         missing = [0] * self.layout.num_buckets
         for slot in self.layout.slots:
@@ -292,73 +307,83 @@ class WeightPublisher:
 
 
 class WeightReceiver:
-    """The receiving side: takes part in the publisher's broadcasts into its own bucket buffers."""
+    """The receiving side: takes part in the publisher's broadcasts through a ring of `depth` receive
+    buffers (each as large as the largest bucket that lands in one), so it never holds more than the
+    buckets in flight."""
 
-    def __init__(self, group: StandaloneGroup, src_member: int = 0) -> None:
+    def __init__(self, group: StandaloneGroup, src_member: int = 0, depth: int = 2) -> None:
+        if depth < 1:
+            raise ValueError(f"receive depth must be at least 1, got {depth}")
         self.group = group
         self.src = src_member
+        self.depth = depth
         self.layout = share_layout(group, None, src_member)
         self.device = _device_for(group.backend)
         self._lone = [lone_slot(self.layout, index) for index in range(self.layout.num_buckets)]
-        # Receive buffers, allocated once; a lone bucket's only when it first lands in a buffer (a
-        # consumer that always receives it in place never needs one).
-        self.buckets = [
-            torch.empty(0 if lone else nbytes, dtype=torch.uint8, device=self.device)
-            for lone, nbytes in zip(self._lone, self.layout.bucket_nbytes, strict=True)
-        ]
-        self._bucket_views: list[list[tuple[str, torch.Tensor]] | None] = [None] * self.layout.num_buckets
+        self._slots: list[list[TensorSlot]] = [[] for _ in range(self.layout.num_buckets)]
+        for slot in self.layout.slots:
+            self._slots[slot.bucket].append(slot)
+        self.ring: list[torch.Tensor] = []  # allocated on first use, grown only when a bucket needs it
         self.round = 0
 
-    def _buffer(self, index: int) -> torch.Tensor:
-        """Bucket `index`'s receive buffer, allocated on first use."""
-        if self.buckets[index].numel() != self.layout.bucket_nbytes[index]:
-            self.buckets[index] = torch.empty(
-                self.layout.bucket_nbytes[index], dtype=torch.uint8, device=self.device
-            )
-            self._bucket_views[index] = None
-        return self.buckets[index]
+    @property
+    def allocated_bytes(self) -> int:
+        """The bytes of the receive buffers this receiver holds (the ring)."""
+        return sum(buffer.numel() for buffer in self.ring)
 
-    def _wire(self, index: int) -> torch.Tensor:
-        """What bucket `index`'s broadcast lands in: its buffer, only the tensor's bytes for a lone bucket."""
-        lone = self._lone[index]
-        return self._buffer(index) if lone is None else self._buffer(index)[: lone.nbytes]
-
-    def _views(self, index: int) -> list[tuple[str, torch.Tensor]]:
-        """The named typed views into bucket `index`'s receive buffer."""
-        views = self._bucket_views[index]
-        if views is None:
-            self._buffer(index)
-            views = [(s.name, slot_view(s, self.buckets)) for s in self.layout.slots if s.bucket == index]
-            self._bucket_views[index] = views
-        return views
+    def landable(self, into: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The entries of `into` that a bucket can land in directly: a lone bucket's tensor of the same
+        shape, dtype and device, contiguous."""
+        lone = {slot.name: slot for slot in self._lone if slot is not None}
+        return {
+            name: tensor
+            for name, tensor in into.items()
+            if name in lone
+            and tensor_bytes(tensor) is not None
+            and tuple(tensor.shape) == lone[name].shape
+            and dtype_name(tensor.dtype) == lone[name].dtype
+            and tensor.device == self.device
+        }
 
     def receive(
         self, on_bucket: BucketConsumer | None = None, into: Mapping[str, torch.Tensor] | None = None
-    ) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """Take part in one version's broadcasts; returns (version, named views valid until the next call).
+    ) -> int:
+        """Take part in one version's broadcasts; returns the version.
 
-        `on_bucket(named)`, when given, is called with each bucket's named views as soon as that bucket
-        has landed, while the following buckets are still on the wire; `into` lands lone buckets straight
-        in the caller's tensors (see the module docstring)."""
+        `on_bucket(named)` is called with each bucket's named views as soon as that bucket has landed,
+        while the next bucket is on the wire; the views are valid only during the call (their ring
+        buffer takes a later bucket). `into` lands lone buckets straight in the caller's tensors (see
+        the module docstring)."""
         targets = self._targets(into or {})  # before any broadcast: a bad `into` leaves the stream intact
+        self._grow_ring(targets)
         self.round += 1
         self.group.mark_arrival(self.round)
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
         self.group.broadcast(header, self.src, "weights header")
         version = self._check_header(header.tolist())
-        error = self._receive_buckets(version, on_bucket, targets)
-        if header[4].item():
-            self._verify_checksums(version, targets)
+        sums, error = self._receive_buckets(version, on_bucket, targets, bool(header[4].item()))
+        if sums is not None:
+            self._verify_checksums(version, sums)
         if error is not None:  # raised once every broadcast of this version, checksums included, is done
             raise error
-        landed: dict[str, torch.Tensor] = {}
-        for index, target in enumerate(targets):
-            if target is None:
-                landed.update(self._views(index))
-            else:
-                name = self._lone[index].name  # type: ignore[union-attr]
-                landed[name] = (into or {})[name]
-        return version, [(slot.name, landed[slot.name]) for slot in self.layout.slots]
+        return version
+
+    def _grow_ring(self, targets: list[torch.Tensor | None]) -> None:
+        need = max(
+            (n for n, t in zip(self.layout.bucket_nbytes, targets, strict=True) if t is None), default=0
+        )
+        if need and (len(self.ring) < self.depth or self.ring[0].numel() < need):
+            self.ring = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(self.depth)]
+
+    def _wire(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
+        """What bucket `index`'s broadcast lands in: a ring buffer's first bytes (only the tensor's bytes
+        for a lone bucket)."""
+        lone = self._lone[index]
+        return buffer[: self.layout.bucket_nbytes[index] if lone is None else lone.nbytes]
+
+    def _views(self, index: int, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The named typed views of bucket `index` landed in `buffer`."""
+        return [(s.name, slot_view(dataclasses.replace(s, bucket=0), [buffer])) for s in self._slots[index]]
 
     def _targets(self, into: Mapping[str, torch.Tensor]) -> list[torch.Tensor | None]:
         """Per bucket, the caller's tensor's bytes it lands in (a lone bucket named in `into`), or None."""
@@ -385,24 +410,52 @@ class WeightReceiver:
         return targets
 
     def _receive_buckets(
-        self, version: int, on_bucket: BucketConsumer | None, targets: list[torch.Tensor | None]
-    ) -> Exception | None:
-        """All bucket broadcasts in flight at once; hand each bucket not landed in place to `on_bucket`
-        as it lands. Returns the consumer's error, if any, after every bucket broadcast has completed
-        (bounded waits)."""
-        works = [
-            self.group.start_broadcast(self._wire(index) if t is None else t, self.src)
-            for index, t in enumerate(targets)
-        ]
+        self,
+        version: int,
+        on_bucket: BucketConsumer | None,
+        targets: list[torch.Tensor | None],
+        checksum: bool,
+    ) -> tuple[list[int] | None, Exception | None]:
+        """At most `depth` bucket broadcasts in flight; each bucket not landed in place goes to a ring
+        buffer and to `on_bucket` as it lands, and its buffer then takes the next bucket. Returns each
+        bucket's checksum (computed as it lands, when enabled) and the consumer's error, if any, after
+        every bucket broadcast has completed (bounded waits)."""
+        count = self.layout.num_buckets
+        wires: list[torch.Tensor] = []
+        works: list[Any] = []
+        free = list(range(len(self.ring)))
+        owner: list[int | None] = []
+
+        def issue(index: int) -> None:
+            target = targets[index]
+            if target is None:
+                ring_index = free.pop(0)
+                owner.append(ring_index)
+                target = self._wire(index, self.ring[ring_index])
+            else:
+                owner.append(None)
+            wires.append(target)
+            works.append(self.group.start_broadcast(target, self.src))
+
+        sums: list[int] | None = [] if checksum else None
         error: Exception | None = None
-        for index, work in enumerate(works):
-            self.group.wait(work, self.src, f"weights v{version} bucket {index}/{len(works)}")
-            if on_bucket is not None and error is None and targets[index] is None:
-                try:
-                    on_bucket(self._views(index))
-                except Exception as exc:  # raised by receive() once the wire is drained
-                    error = exc
-        return error
+        for index in range(min(self.depth, count)):
+            issue(index)
+        for index in range(count):
+            self.group.wait(works[index], self.src, f"weights v{version} bucket {index}/{count}")
+            if sums is not None:
+                sums.append(bucket_checksum(wires[index]))
+            ring_index = owner[index]
+            if ring_index is not None:
+                if on_bucket is not None and error is None:
+                    try:
+                        on_bucket(self._views(index, self.ring[ring_index]))
+                    except Exception as exc:  # raised by receive() once the wire is drained
+                        error = exc
+                free.append(ring_index)
+            if index + self.depth < count:
+                issue(index + self.depth)
+        return sums, error
 
     def _check_header(self, header: list[int]) -> int:
         magic, version, num_buckets, fingerprint, _ = header
@@ -415,12 +468,11 @@ class WeightReceiver:
             )
         return int(version)
 
-    def _verify_checksums(self, version: int, targets: list[torch.Tensor | None]) -> None:
+    def _verify_checksums(self, version: int, landed: list[int]) -> None:
         sums = torch.zeros(self.layout.num_buckets, dtype=torch.int64, device=self.device)
         self.group.broadcast(sums, self.src, f"weights v{version} checksums")
-        landed = [self._wire(index) if t is None else t for index, t in enumerate(targets)]
-        for index, (expected, bucket) in enumerate(zip(sums.tolist(), landed, strict=True)):
-            if bucket_checksum(bucket) != expected:
+        for index, (expected, got) in enumerate(zip(sums.tolist(), landed, strict=True)):
+            if got != expected:
                 raise WeightSyncError(
                     f"{self.group.world.me}: weights v{version} bucket {index} checksum mismatch"
                 )

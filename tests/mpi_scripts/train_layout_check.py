@@ -7,14 +7,17 @@ one model-parallel group pool theirs). Unless LOAD_FROM is given the world runs 
 SAVE_TO is given, checkpoints after it; with LOAD_FROM it restores that checkpoint instead. Then it runs
 RL step 2 on a second batch. LAYOUT_LOSS_IMPL (fused | eager) picks `trainer.loss_impl`;
 LAYOUT_SEQUENCE_PARALLEL=1 turns on sequence parallelism. Rank 0 writes `OUT/result.pt`: each step's metrics, the HF weights
-gathered after each step, and whether the unit-by-unit gather of the publication path gives the same tensors in
-the same order (with the largest unit's tensor count).
+gathered after each step, whether the unit-by-unit gather of the publication path gives the same tensors in
+the same order (with the largest unit's tensor count), and whether `save_hf` wrote the last step's weights.
+`dist.gather_object` raises while the weights are gathered: they move as tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -32,6 +35,22 @@ def global_batch(vocab: int, seed: int) -> object:
     adv = [[(1.0 - 0.4 * i) * m for m in mask] for i, mask in enumerate(masks)]
     behaviour = [[-6.0 * m for m in mask] for mask in masks]
     return from_sequences(tokens, masks, behaviour, adv)
+
+
+@contextlib.contextmanager
+def _no_pickles() -> Iterator[None]:
+    """Publication and save_hf gather tensors: `dist.gather_object` raises meanwhile (Megatron's
+    distributed checkpoints still use it for their save plans)."""
+    import torch.distributed as dist
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights must be gathered as tensors, not with gather_object")
+
+    saved, dist.gather_object = dist.gather_object, refuse
+    try:
+        yield
+    finally:
+        dist.gather_object = saved
 
 
 def main(argv: list[str]) -> None:
@@ -78,16 +97,26 @@ def main(argv: list[str]) -> None:
         shard = split_across_ranks(batch, world)[rank]  # type: ignore[arg-type]
         metrics = trainer.rl_step(shard, batch.num_action_tokens, losses[step - 1])  # type: ignore[attr-defined]
         result["metrics"].append(metrics)  # type: ignore[attr-defined]
-        whole = trainer.hf_state_dict()
+        with _no_pickles():
+            whole = trainer.hf_state_dict()
+            # The publication path: one unit gathered at a time, together the same tensors in the same order.
+            units = list(trainer.hf_units())
         result["weights"].append(whole)  # type: ignore[attr-defined]
-        # The publication path: one unit gathered at a time, together the same tensors in the same order.
-        units = list(trainer.hf_units())
         merged = {name: t for unit in units for name, t in unit.items()}
         same = list(merged) == list(whole) and all(torch.equal(merged[k], whole[k]) for k in whole)
         result.setdefault("units_match", []).append((same, max(len(u) for u in units) if units else 0))  # type: ignore[attr-defined]
         if step == 1 and save_to:
             trainer.save_checkpoint(save_to)
+    with _no_pickles():
+        saved = trainer.save_hf(Path(out) / "hf")
     if rank == 0:
+        from rollart_hpc.models.checkpoint import load_weights
+
+        last = result["weights"][-1]  # type: ignore[index]
+        on_disk = load_weights(saved)
+        result["saved_match"] = set(on_disk) == set(last) and all(
+            torch.equal(on_disk[k], last[k]) for k in last
+        )
         torch.save(result, Path(out) / "result.pt")
     dist.destroy_process_group()
 

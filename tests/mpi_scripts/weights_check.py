@@ -5,13 +5,14 @@ on its own group; the silent-receiver check breaks its group, so it runs last); 
 rank-<r>.json with one entry per check.
 """
 
+import functools
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
-from weights_contract import model, receive_versions, send_versions
+from weights_contract import collect, model, receive_versions, send_versions
 
 from rollart_hpc.cluster.env import read_process_env
 from rollart_hpc.cluster.plan import RoleRange, RunPlan
@@ -20,7 +21,7 @@ from rollart_hpc.contracts.errors import PeerTimeoutError
 from rollart_hpc.weights.buckets import layout_for
 from rollart_hpc.weights.group import make_standalone_group
 from rollart_hpc.weights.publisher import WeightPublisher, WeightReceiver
-from rollart_hpc.weights.transport import GroupWeightReceiver, GroupWeightSender, announce_to
+from rollart_hpc.weights.transport import announce_to, open_publisher
 
 TAG_DONE = 77
 TAG_VERSION = 78
@@ -37,16 +38,18 @@ def roundtrip(world, group, result):
         run = {"bucket_bytes": bucket_bytes, "snapshot": snapshot, "stream": stream}
         if world.rank == 0:
             announce = announce_to(world, [1, 2], TAG_VERSION)
-            sender = GroupWeightSender.open(
+            sender = open_publisher(
                 group, model(0), bucket_bytes / 2**20, announce, checksum, direct_mb=direct_bytes / 2**20
             )
-            run["num_buckets"] = sender.publisher.layout.num_buckets
+            run["num_buckets"] = sender.layout.num_buckets
             run["versions"] = send_versions(sender, snapshot, stream)
-            run["direct_sends"] = sender.publisher.direct_sends
+            run["direct_sends"] = sender.direct_sends
         else:
-            source = GroupWeightReceiver.open(group, 0)
-            run["num_buckets"] = source.receiver.layout.num_buckets
-            run["versions"] = receive_versions(source, lambda: int(world.recv(0, TAG_VERSION)))
+            source = WeightReceiver(group, 0)
+            run["num_buckets"] = source.layout.num_buckets
+            run["versions"] = receive_versions(
+                functools.partial(collect, source), lambda: int(world.recv(0, TAG_VERSION))
+            )
         result["runs"].append(run)
 
 
@@ -67,7 +70,7 @@ def nonblocking(world, group, result):
     else:
         rec = WeightReceiver(group, 0)
         time.sleep(JOIN_LATE_S)
-        version, named = rec.receive()
+        version, named = collect(rec)
         result["ok"] = version == 7 and all(bool((t == float(n.split(".")[1])).all()) for n, t in named)
 
 

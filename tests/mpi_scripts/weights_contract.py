@@ -1,7 +1,6 @@
 """The weight-transport contract (`rollart_hpc.weights.transport`), one function per side.
 
-Used by tests/mpi_scripts/weights_check.py (the group transport, one side per MPI rank) and by
-tests/test_weights_transport.py (the in-process transport, one side per thread). The sender publishes
+Used by tests/mpi_scripts/weights_check.py (the group transport, one side per MPI rank). The sender publishes
 `VERSIONS` in order and scribbles over its tensors right after each publish (the snapshot rule); each
 receiver must get every version once, in order, bit-identical to what was published.
 """
@@ -13,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from rollart_hpc.weights.transport import WeightSender, WeightSource
+from rollart_hpc.weights.publisher import WeightPublisher, WeightReceiver
 
 VERSIONS = (1, 2, 3)
 Digest = dict[str, str]
@@ -44,7 +43,7 @@ def digest(named: Iterable[tuple[str, torch.Tensor]]) -> Digest:
     }
 
 
-def send_versions(sender: WeightSender, snapshot: bool = True, stream: bool = False) -> dict[int, Digest]:
+def send_versions(sender: WeightPublisher, snapshot: bool = True, stream: bool = False) -> dict[int, Digest]:
     """Publish every version; returns the digest of what each publish was given. With `snapshot` the
     sender scribbles over its tensors right after each publish; without, it hands over fresh tensors
     that it never touches again (the hand-over rule of `publish(snapshot=False)`). With `stream` it
@@ -67,13 +66,23 @@ def send_versions(sender: WeightSender, snapshot: bool = True, stream: bool = Fa
     return sent
 
 
-def receive_versions(source: WeightSource, announced: Callable[[], int] | None = None) -> dict[int, Digest]:
+Receive = Callable[[], tuple[int, list[tuple[str, torch.Tensor]]]]
+
+
+def collect(receiver: WeightReceiver) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+    """One version from a `WeightReceiver`: a copy of each tensor as its bucket lands (layout order)."""
+    got: dict[str, torch.Tensor] = {}
+    version = receiver.receive(lambda views: got.update((n, v.clone()) for n, v in views))
+    return version, [(slot.name, got[slot.name]) for slot in receiver.layout.slots]
+
+
+def receive_versions(receive: Receive, announced: Callable[[], int] | None = None) -> dict[int, Digest]:
     """Receive every version (after its announcement, when `announced` reads it); digests by version."""
     got = {}
     for expected in VERSIONS:
         if announced is not None:
             assert announced() == expected
-        version, named = source.receive()
+        version, named = receive()
         assert version == expected, f"received v{version}, expected v{expected}"
         got[version] = digest(named)
     return got
