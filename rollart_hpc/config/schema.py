@@ -646,6 +646,12 @@ class ControllerConfig:
         10, "Run checkpoint every this many steps (0 = only on SIGUSR1/2)."
     )
     keep_checkpoints: int = doc_field(2, "Complete checkpoints kept (older ones are removed).")
+    checkpoint_async: bool = doc_field(
+        False,
+        "The trainers write their part of a checkpoint in the background (a host-memory copy of their "
+        "shards, then a writer thread) and train on; the checkpoint is marked complete only once every "
+        "trainer rank's files are written, so until then the previous complete one is the resume point.",
+    )
     checkpoint_every_s: float = doc_field(
         0.0,
         "Also checkpoint once this many seconds have passed since the last checkpoint (or the start of "
