@@ -76,7 +76,9 @@ def test_a_background_checkpoint_is_complete_only_when_every_trainer_rank_wrote_
     assert not ckpt.complete(second) and ckpt.latest(tmp_path) == first  # the resume point, still
     _checkpointed(controller, second, TRAINERS[1])
     assert ckpt.latest(tmp_path) == second and ckpt.read_controller_state(second)["core"] == {"version": 4}
+    assert controller.trace.rows[-1][0] == "checkpoint_complete"
     assert controller.trace.rows[-1][1]["bytes_per_rank"] == {"0": 8, "1": 7}
+    assert [kind for kind, _ in controller.trace.rows].count("checkpoint") == 2
     assert controller.unwritten == {}
 
 

@@ -57,18 +57,21 @@ def save(controller: Controller) -> Path:
     `controller.checkpoint_async` the trainers write in the background and training goes on: the state
     taken now waits in `controller.unwritten` until every trainer rank reports its part written."""
     ctx = controller.ctx
+    began = time.time()
     path = ckpt.step_dir(ctx.run_dir, controller.core.version)
     path.mkdir(parents=True, exist_ok=True)
     for rank in ctx.ranks["trainer"]:
         ctx.mailbox.send(str(path / "trainer"), rank, Tag.CHECKPOINT)
     state = pickle.loads(pickle.dumps(state_dict(controller)))  # as it is now, not when written
-    controller.unwritten[path] = (state, set(ctx.ranks["trainer"]), time.time())
+    controller.unwritten[path] = (state, set(ctx.ranks["trainer"]), began)
     controller.last_checkpoint = controller.core.version
     controller.last_checkpoint_at = time.monotonic()
     if not controller.config.controller.checkpoint_async:
         for rank in ctx.ranks["trainer"]:
             controller.handle(ctx.mailbox.wait_for(Tag.CHECKPOINTED, source=rank))
         complete_written(controller)
+    # `s`: how long the controller handled no message for it (what the simulator calibrates on)
+    controller.trace.write("checkpoint", version=controller.core.version, s=round(time.time() - began, 6))
     return path
 
 
@@ -82,9 +85,8 @@ def complete_written(controller: Controller) -> None:
         ckpt.prune(ctx.run_dir, controller.config.controller.keep_checkpoints)
         per_rank = ckpt.trainer_bytes_per_rank(path)
         version = state["core"]["version"]
-        controller.trace.write(
-            "checkpoint", version=version, s=round(time.time() - began, 6), bytes_per_rank=per_rank
-        )
+        written_s = round(time.time() - began, 6)
+        controller.trace.write("checkpoint_complete", version=version, s=written_s, bytes_per_rank=per_rank)
         ctx.log.info(f"checkpoint at version {version}: {path} (trainer bytes per rank: {per_rank})")
 
 
