@@ -6,8 +6,11 @@ import logging
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from rollart_hpc.cluster.mailbox import Message
 from rollart_hpc.config import load_config
+from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.controller import checkpoint as ckpt
 from rollart_hpc.controller import recovery
@@ -89,3 +92,8 @@ def test_a_synchronous_checkpoint_is_complete_when_save_returns(tmp_path: Path) 
     _trainer_files(path)
     assert recovery.save(controller) == path and ckpt.latest(tmp_path) == path  # type: ignore[arg-type]
     assert [t for _, _, t in controller.ctx.mailbox.sent] == [Tag.CHECKPOINT] * len(TRAINERS)
+
+
+def test_a_write_gate_without_background_saves_is_refused() -> None:
+    with pytest.raises(UsageError, match="checkpoint_write_gate: needs controller.checkpoint_async"):
+        load_config(TINY, ["controller.checkpoint_write_gate=/tmp/gate"])

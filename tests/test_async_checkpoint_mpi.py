@@ -13,7 +13,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -113,3 +116,63 @@ def test_a_released_background_save_completes_on_every_rank(model_dir: Path, tmp
 
 if __name__ == "__main__":
     _worker(*sys.argv[1:5])
+
+
+def _rows(run_dir: Path) -> list[str]:
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 400) -> None:
+    tick, deadline = threading.Event(), time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not reached in time: {what}"
+        tick.wait(0.05)
+
+
+TRAINER_RANK = 4  # configs/tiny.toml: controller, rollout, env, reward, trainer
+
+
+def test_a_run_whose_trainer_dies_during_a_background_save_resumes_from_the_last_complete_one(
+    tmp_path: Path,
+) -> None:
+    """Run level: step-2's save is let through, step-4's is held at its gate; step 5 trains while it is in
+    flight (the controller did not wait for it, nor mark it complete); the trainer rank is SIGKILLed, the
+    restart resumes from step 2, and once step-4's writer is let through the run finishes."""
+    from rollart_hpc.controller import checkpoint as ckpt
+
+    run_dir, gate = tmp_path / "run", tmp_path / "gate"
+    gate.mkdir()
+    (gate / "step-000002").touch()
+    overrides = [
+        "controller.mode=sync", "controller.num_steps=5", "controller.checkpoint_every_steps=2",
+        "controller.keep_checkpoints=5", "controller.checkpoint_async=true",
+        f"controller.checkpoint_write_gate={gate}",
+    ]  # fmt: skip
+    repo = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(repo / "launch.py"), "run", "configs/tiny.toml", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(
+        [*cmd, "--max-restarts", "1", *overrides],
+        cwd=repo,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _until(lambda: len(_rows(run_dir)) >= 5, "step 5 trained")
+        held = ckpt.step_dir(run_dir, 4)
+        assert ckpt.latest(run_dir) == ckpt.step_dir(run_dir, 2)
+        assert not ckpt.complete(held) and (held / ".trainer.tmp" / "common.pt").is_file()
+        pid = json.loads((run_dir / "pids" / f"rank-{TRAINER_RANK}.pid").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        _until(lambda: (run_dir / "restarts.jsonl").is_file(), "the restart")
+        (gate / "step-000004").touch()
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert "restart 1/1 from step 2" in out
+    assert ckpt.latest(run_dir) == ckpt.step_dir(run_dir, 4)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["balanced"] and summary["accounting"]["trained"] == 5 * 4

@@ -187,7 +187,9 @@ def rl_loop(
             break
         if msg.tag == Tag.CHECKPOINT:
             if config.controller.checkpoint_async:
-                pending = trainer.start_checkpoint(msg.payload)  # CHECKPOINTED once every rank wrote it
+                gate = config.controller.checkpoint_write_gate
+                held = Path(gate) / Path(msg.payload).parent.name if gate else None
+                pending = trainer.start_checkpoint(msg.payload, held)  # CHECKPOINTED once every rank wrote it
             else:
                 trainer.save_checkpoint(msg.payload)
                 mailbox.send(msg.payload, 0, Tag.CHECKPOINTED)
