@@ -576,3 +576,35 @@ def test_tp1_publication_streams_unit_by_unit_with_no_whole_model_copy(model_dir
     assert list(sender.packed) == list(expected)
     for name, tensor in expected.items():
         assert torch.equal(sender.packed[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def _optimizer_states(trainer: Trainer) -> list[torch.Tensor]:
+    return [
+        t for inner in parallel.torch_optimizers(trainer.optimizer) for state in inner.state.values()
+        for t in state.values()
+    ]  # fmt: skip
+
+
+def test_background_checkpoint_equals_a_synchronous_one_and_does_not_block_the_step(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from rollart_hpc.train import checkpoint
+
+    trainer = _trainer(model_dir)
+    _train(trainer, range(2))
+    sync = trainer.save_checkpoint(tmp_path / "sync")
+    gate = tmp_path / "release-writer"
+    pending = trainer.start_checkpoint(tmp_path / "async", gate=gate)
+    _train(trainer, range(2, 3))  # a step while the writer waits for the gate: it was not blocked
+    assert not pending.written and not pending.finish(blocking=False)
+    assert not checkpoint.is_complete(tmp_path / "async") and (tmp_path / ".async.tmp").is_dir()
+    gate.touch()
+    assert pending.finish(blocking=True) and checkpoint.checkpoint_step(tmp_path / "async") == 2
+    assert pending.nbytes > 0 and not (tmp_path / ".async.tmp").exists()
+    loaded = [_trainer(model_dir) for _ in range(2)]
+    assert loaded[0].load_checkpoint(sync) == loaded[1].load_checkpoint(tmp_path / "async") == 2
+    assert all(torch.equal(a, b) for a, b in zip(_params(loaded[0]), _params(loaded[1]), strict=True))
+    states = [_optimizer_states(t) for t in loaded]
+    assert len(states[0]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(_params(trainer), _params(loaded[1]), strict=True))

@@ -646,6 +646,17 @@ class ControllerConfig:
         10, "Run checkpoint every this many steps (0 = only on SIGUSR1/2)."
     )
     keep_checkpoints: int = doc_field(2, "Complete checkpoints kept (older ones are removed).")
+    checkpoint_async: bool = doc_field(
+        False,
+        "The trainers write their part of a checkpoint in the background (a host-memory copy of their "
+        "shards, then a writer thread) and train on; the checkpoint is marked complete only once every "
+        "trainer rank's files are written, so until then the previous complete one is the resume point.",
+    )
+    checkpoint_write_gate: str = doc_field(
+        "",
+        "Test hook (needs checkpoint_async): each trainer rank's writer of checkpoint step-N waits until the "
+        "file <this directory>/step-N exists, so a test can hold a save in flight ('' = off).",
+    )
     checkpoint_every_s: float = doc_field(
         0.0,
         "Also checkpoint once this many seconds have passed since the last checkpoint (or the start of "
@@ -676,6 +687,8 @@ class ControllerConfig:
             raise UsageError(
                 f"{path}: checkpoint_every_steps >= 0, checkpoint_every_s >= 0 and keep_checkpoints >= 1 required"
             )
+        if self.checkpoint_write_gate and not self.checkpoint_async:
+            raise UsageError(f"{path}.checkpoint_write_gate: needs {path}.checkpoint_async = true")
         if not 1.0 <= self.redundancy <= 4.0 or (self.redundancy > 1.0 and self.mode != "async"):
             raise UsageError(f"{path}.redundancy: must be in [1, 4], and > 1 only in mode 'async'")
         if self.batch_size < 1 or self.num_steps < 1 or self.max_staleness < -1:

@@ -17,7 +17,7 @@ any -> any              STOP                reason (str); the receiver finishes 
 rank -> controller      READY               Ready: the rank has set up (model loaded, groups joined)
 controller -> all       START               TrainerStart (to trainers) or WorkerStart (to the others)
 controller -> trainer   CHECKPOINT          directory (str) for the trainers' part of a run checkpoint
-trainer -> controller   CHECKPOINTED        that directory (str): that part is written
+trainer -> controller   CHECKPOINTED        that directory (str): that part is written (controller.checkpoint_async: on every rank)
 rank -> controller      STATS               RankStats: the rank's busy time, sent as it exits
 controller -> env       CANCEL              episode id: end that episode now (a redundant straggler)
 

@@ -145,6 +145,15 @@ def manifest(path: Path) -> dict[str, int]:
     return {str(p.relative_to(path)): p.stat().st_size for p in files}
 
 
+def trainer_bytes_per_rank(path: Path) -> dict[str, int]:
+    """Trainer rank -> bytes of its shard files (`trainer/__<rank>_<k>.distcp`) in a checkpoint."""
+    out: dict[str, int] = {}
+    for file in sorted((path / "trainer").glob("__*_*.distcp")):
+        rank = file.name[2:].split("_", 1)[0]
+        out[rank] = out.get(rank, 0) + file.stat().st_size
+    return out
+
+
 def problem(path: Path) -> str | None:
     """Why a complete checkpoint cannot be resumed from (a file missing, truncated or unreadable), or None.
     Checkpoints written before markers listed their files are checked for their controller state only."""

@@ -1,7 +1,8 @@
 """The controller rank's loop: one thread, poll -> fold -> checkpoint -> dispatch -> train -> liveness.
 
-Each pass: fold every pending RESULT/TRAINED/LOADED/STATS message into the `Controller`; when a
-checkpoint is due and no step is with the trainers, write it (and end the loop if a stop was
+Each pass: fold every pending RESULT/TRAINED/LOADED/STATS/CHECKPOINTED message into the `Controller`
+and mark complete the background checkpoints every trainer rank has written; when a checkpoint is due
+and no step is with the trainers, write it (or begin it, `controller.checkpoint_async`) (and end the loop if a stop was
 requested); dispatch tickets while admission and env slots allow; hand the next batch to idle
 trainers; check peers' liveness. Ends after the last step is trained. Evaluation rounds start in the
 pass when due (`Controller.start_due_eval`) and run alongside; `finish_evaluation` then evaluates the
@@ -22,6 +23,7 @@ def run(controller: Controller) -> bool:
     while not core.done:
         for msg in mailbox.poll():
             controller.handle(msg)
+        recovery.complete_written(controller)
         if core.done:
             break  # the last step is in: a stop requested now simply ends a finished run
         if recovery.checkpoint_due(controller) and not controller.trainer_busy:

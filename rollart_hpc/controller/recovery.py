@@ -11,6 +11,7 @@ and the resumed run evaluates the checkpoint's version again when it is due.
 
 from __future__ import annotations
 
+import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -52,22 +53,41 @@ def state_dict(controller: Controller) -> dict[str, Any]:
 
 
 def save(controller: Controller) -> Path:
-    """Trainers save their part first; the controller's state and the COMPLETE marker come last."""
+    """Trainers save their part first; the controller's state and the COMPLETE marker come last. With
+    `controller.checkpoint_async` the trainers write in the background and training goes on: the state
+    taken now waits in `controller.unwritten` until every trainer rank reports its part written."""
     ctx = controller.ctx
     began = time.time()
     path = ckpt.step_dir(ctx.run_dir, controller.core.version)
     path.mkdir(parents=True, exist_ok=True)
     for rank in ctx.ranks["trainer"]:
         ctx.mailbox.send(str(path / "trainer"), rank, Tag.CHECKPOINT)
-    for rank in ctx.ranks["trainer"]:
-        ctx.mailbox.wait_for(Tag.CHECKPOINTED, source=rank)
-    ckpt.write_controller_state(path, state_dict(controller), controller.config)
-    ckpt.prune(ctx.run_dir, controller.config.controller.keep_checkpoints)
+    state = pickle.loads(pickle.dumps(state_dict(controller)))  # as it is now, not when written
+    controller.unwritten[path] = (state, set(ctx.ranks["trainer"]), began)
     controller.last_checkpoint = controller.core.version
     controller.last_checkpoint_at = time.monotonic()
+    if not controller.config.controller.checkpoint_async:
+        for rank in ctx.ranks["trainer"]:
+            controller.handle(ctx.mailbox.wait_for(Tag.CHECKPOINTED, source=rank))
+        complete_written(controller)
+    # `s`: how long the controller handled no message for it (what the simulator calibrates on)
     controller.trace.write("checkpoint", version=controller.core.version, s=round(time.time() - began, 6))
-    ctx.log.info(f"checkpoint at version {controller.core.version}: {path}")
     return path
+
+
+def complete_written(controller: Controller) -> None:
+    """Mark complete (controller state, then COMPLETE) every begun checkpoint that all trainer ranks have
+    reported written, oldest first; prune; log each with the trainer bytes it holds per rank."""
+    ctx = controller.ctx
+    for path in sorted(p for p, (_, ranks, _) in controller.unwritten.items() if not ranks):
+        state, _, began = controller.unwritten.pop(path)
+        ckpt.write_controller_state(path, state, controller.config)
+        ckpt.prune(ctx.run_dir, controller.config.controller.keep_checkpoints)
+        per_rank = ckpt.trainer_bytes_per_rank(path)
+        version = state["core"]["version"]
+        written_s = round(time.time() - began, 6)
+        controller.trace.write("checkpoint_complete", version=version, s=written_s, bytes_per_rank=per_rank)
+        ctx.log.info(f"checkpoint at version {version}: {path} (trainer bytes per rank: {per_rank})")
 
 
 def restart_metrics(controller: Controller, version: int) -> None:

@@ -2,7 +2,8 @@
 
 Order: env ranks get STOP and return (or fail) what they have in flight; once every env rank has
 reported its STATS, leftovers are dropped with cause 'run_end'; then reward, rollout and trainer ranks
-get STOP, role by role, and each reports STATS as it exits. The accounting is then balanced:
+get STOP, role by role, and each reports STATS as it exits (a trainer first finishes a background
+checkpoint still being written and reports it, which then is marked complete). The accounting is then balanced:
 dispatched = trained + dropped + failed.
 """
 
@@ -12,6 +13,7 @@ import time
 from typing import Any
 
 from rollart_hpc.contracts.protocol import Tag
+from rollart_hpc.controller import recovery
 from rollart_hpc.controller.state import Controller
 
 
@@ -35,9 +37,10 @@ def shutdown(controller: Controller) -> dict[str, Any]:
         for rank in ranks[role]:
             controller.handle(mailbox.wait_for(Tag.STATS, source=rank))
             mailbox.unwatch(rank)
-        for msg in mailbox.poll():  # a rollout rank's last LOADED comes just before its STATS
-            if msg.tag == Tag.LOADED:
+        for msg in mailbox.poll():  # a rollout rank's last LOADED / a trainer's CHECKPOINTED precede STATS
+            if msg.tag in (Tag.LOADED, Tag.CHECKPOINTED):
                 controller.handle(msg)
+    recovery.complete_written(controller)  # a background checkpoint the trainers finished at STOP
     return summary(controller)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollart_hpc.cluster import signals
@@ -72,6 +73,9 @@ class Controller:
         self.redispatch: list[EpisodeTicket] = []
         self.last_checkpoint = 0  # version of the last checkpoint written or resumed from
         self.last_checkpoint_at = time.monotonic()  # when it was written (or this attempt began)
+        # Checkpoints begun, not yet complete: path -> its controller state and the trainer ranks still
+        # writing (trainer.checkpoint_async; `recovery.complete_written` marks them complete).
+        self.unwritten: dict[Path, tuple[dict[str, Any], set[int], float]] = {}
         self.wall_offset = 0.0
         self.stop_requested = signals.STOP_REQUESTED  # SIGUSR1/SIGUSR2: checkpoint, then exit
 
@@ -86,6 +90,8 @@ class Controller:
             self.loaded_history[msg.source].append(int(msg.payload))
             self.trace.write("loaded", rank=msg.source, version=int(msg.payload))
             self.update_rollout_version()
+        elif msg.tag == Tag.CHECKPOINTED:
+            self.unwritten[Path(msg.payload).parent][1].discard(msg.source)
         elif msg.tag == Tag.STATS:
             stats: RankStats = msg.payload
             key = f"{stats.role} rank {msg.source}"

@@ -11,6 +11,8 @@ that stamps a ticket's dispatch time):
 - `trained`: step `step` came back trained and published.
 - `loaded`: rollout rank `rank` loaded version `version`.
 - `checkpoint`: a checkpoint at version `version` took `s` seconds (the controller is blocked meanwhile).
+- `checkpoint_complete`: that checkpoint got its marker `s` seconds after it began (later than its
+  `checkpoint` row when the trainers write in the background), with its trainer bytes per rank.
 
 Writes are line-buffered appends: a crash loses at most the line being written, and a resumed run appends
 to the same file (each attempt starts with its own `start`). Standard library only.

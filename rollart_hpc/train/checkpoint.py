@@ -15,12 +15,25 @@ template, the fp32 shard copy runs without autograd, and every parameter gets it
 shared one would be incremented once per parameter). Requires psutil (dist_checkpointing's writer
 processes hang without it) and, in a script, an `if __name__ == "__main__":` guard (the first save starts
 a spawn-context multiprocessing Manager).
+
+Background saves (`start_save` -> `PendingSave.finish`): Megatron plans the save and writes `common.pt` at
+once (collectives inside), the shards to write are copied to host memory (a snapshot: training may change
+the parameters the moment `start_save` returns), and a thread of this rank writes them with Megatron's
+own shard writer. `finish` is collective and called by every rank at the same points (the trainer's
+next message): it all-reduces "my writer is done" and, only when every rank's files are written and
+fsynced, runs Megatron's finalization (the `.metadata` and `metadata.json`), renames the temporary
+directory and writes the marker, exactly as a synchronous save does. A rank that dies while its writer
+runs leaves `.<name>.tmp` without a marker, so the previous complete checkpoint stays the resume point.
+The writer waits for `gate` (a file) to exist when one is given: tests hold a save in flight with it.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import shutil
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,12 +114,120 @@ def save(directory: str | Path, model: Any, optimizer: Any, step: int, timeout_s
         _prepare_dirs(final, tmp)
     comm.barrier("checkpoint directory ready", timeout_s, device)
     dist_checkpointing.save(_sharded_state(model, optimizer, step, False), str(tmp))
+    _publish(final, tmp, step, timeout_s, device)
+    return final
+
+
+def start_save(
+    directory: str | Path, model: Any, optimizer: Any, step: int, timeout_s: float, gate: Path | None = None
+) -> PendingSave:
+    """Begin a background save of (model shard, optimizer, step) to `directory` (all ranks together); the
+    shards are copied to host memory before this returns. Complete it with `PendingSave.finish`."""
+    from megatron.core import dist_checkpointing
+
+    final = Path(directory).absolute()
+    tmp = final.with_name(f".{final.name}.tmp")
+    device = next(model.parameters()).device
+    if comm.rank() == 0:
+        _prepare_dirs(final, tmp)
+    comm.barrier("checkpoint directory ready", timeout_s, device)
+    request = dist_checkpointing.save(
+        _sharded_state(model, optimizer, step, False), str(tmp), async_sharded_save=True
+    )
+    pending = PendingSave(final, tmp, step, timeout_s, device, request, gate)
+    pending.start()
+    return pending
+
+
+def _snapshot(buckets: list[Any]) -> list[Any]:
+    """Megatron write buckets with every tensor copied to host memory (never aliasing a live tensor)."""
+    return [
+        (name, key, (data, [(item, t.detach().to("cpu", copy=True)) for item, t in tensors]))
+        for name, key, (data, tensors) in buckets
+    ]
+
+
+@dataclass
+class PendingSave:
+    """One rank's share of a background save (see the module docstring)."""
+
+    final: Path
+    tmp: Path
+    step: int
+    timeout_s: float
+    device: Any
+    request: Any  # megatron AsyncRequest: async_fn/args write this rank's buckets, finalize_fns publish
+    gate: Path | None = None
+    nbytes: int = 0  # tensor bytes this rank writes
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        if self.request.async_fn is None:  # nothing to write on this rank
+            return
+        _, buckets, results = self.request.async_fn_args
+        buckets = _snapshot(buckets)
+        self.nbytes = sum(t.numel() * t.element_size() for _, _, (_, ts) in buckets for _, t in ts)
+        self._thread = threading.Thread(
+            target=self._write, args=(buckets, results), name="checkpoint-writer", daemon=True
+        )
+        self._thread.start()
+
+    def _write(self, buckets: list[Any], results: Any) -> None:
+        """Write every bucket here (no forked writers: this thread runs beside training) and hand Megatron's
+        finalization the per-bucket results, or the first exception."""
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+        transforms = self.request.async_fn.args[0]  # partial(write_preloaded_data_multiproc, transforms, ...)
+        wait_for_file(self.gate)
+        local: queue.Queue[Any] = queue.Queue()
+        count: queue.Queue[int] = queue.Queue()
+        out: dict[int, Any] | Exception = {}
+        for i, bucket in enumerate(buckets):
+            count.put(i)
+            FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, local, count, True)
+            idx, written = local.get()
+            if isinstance(written, Exception):
+                out = written
+                break
+            assert isinstance(out, dict)
+            out[idx] = written
+        results.put(out)
+
+    @property
+    def written(self) -> bool:
+        """This rank's files are written (or it had none)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def finish(self, blocking: bool) -> bool:
+        """Collective: publish the checkpoint once every rank's writer is done (True), else return False
+        at once (`blocking` waits for this rank's writer first)."""
+        if blocking and self._thread is not None:
+            self._thread.join()
+        done = torch.tensor([1.0 if self.written else 0.0], device=self.device)
+        comm.all_reduce(done, "checkpoint writers done", self.timeout_s, torch.distributed.ReduceOp.MIN)
+        if not float(done.item()):
+            return False
+        for finalize in self.request.finalize_fns:
+            finalize()
+        _publish(self.final, self.tmp, self.step, self.timeout_s, self.device)
+        return True
+
+
+def wait_for_file(path: Path | None) -> None:
+    """Return once `path` exists (at once for None)."""
+    if path is None:
+        return
+    tick = threading.Event()
+    while not path.exists():
+        tick.wait(0.005)
+
+
+def _publish(final: Path, tmp: Path, step: int, timeout_s: float, device: Any) -> None:
     comm.barrier("checkpoint shards written", timeout_s, device)
     if comm.rank() == 0:
         tmp.rename(final)
         atomic_write_json(final / MARKER, {"step": step})
     comm.barrier("checkpoint published", timeout_s, device)
-    return final
 
 
 def load(directory: str | Path, model: Any, optimizer: Any) -> int:

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rollart_hpc.train.batch import PackedBatch
+    from rollart_hpc.train.checkpoint import PendingSave
     from rollart_hpc.train.trainer import Trainer
     from rollart_hpc.weights.publisher import WeightPublisher
 
@@ -169,13 +170,24 @@ def rl_loop(
     cfg = loss_config(config.algo)
     busy_s = 0.0
     timeline = Timeline("trainer", ctx.world.rank)
+    pending: PendingSave | None = None
     while True:
         msg = mailbox.wait_for(frozenset([Tag.BATCH, Tag.CHECKPOINT, Tag.STOP]), source=0)
+        # Every trainer rank gets the same messages in the same order: the collective finish goes here.
+        if pending is not None and pending.finish(blocking=msg.tag != Tag.BATCH):
+            ctx.log.info(f"checkpoint {pending.final} written: {pending.nbytes} bytes from this rank")
+            mailbox.send(str(pending.final), 0, Tag.CHECKPOINTED)
+            pending = None
         if msg.tag == Tag.STOP:
             break
         if msg.tag == Tag.CHECKPOINT:
-            trainer.save_checkpoint(msg.payload)
-            mailbox.send(msg.payload, 0, Tag.CHECKPOINTED)
+            if config.controller.checkpoint_async:
+                gate = config.controller.checkpoint_write_gate
+                held = Path(gate) / Path(msg.payload).parent.name if gate else None
+                pending = trainer.start_checkpoint(msg.payload, held)  # CHECKPOINTED once every rank wrote it
+            else:
+                trainer.save_checkpoint(msg.payload)
+                mailbox.send(msg.payload, 0, Tag.CHECKPOINTED)
             continue
         shard: TrainShard = msg.payload
         start = time.perf_counter()

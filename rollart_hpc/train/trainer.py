@@ -560,6 +560,13 @@ class Trainer:
         """Model shards, optimizer state and step via Megatron dist_checkpointing (all ranks; atomic)."""
         return checkpoint.save(directory, self.gpt, self.optimizer, self.step, self.cfg.collective_timeout_s)
 
+    def start_checkpoint(self, directory: str | Path, gate: Path | None = None) -> checkpoint.PendingSave:
+        """`save_checkpoint` in the background: returns once the shards are copied to host memory; the
+        checkpoint is complete when `PendingSave.finish` (all ranks) returns True."""
+        return checkpoint.start_save(
+            directory, self.gpt, self.optimizer, self.step, self.cfg.collective_timeout_s, gate
+        )
+
     def load_checkpoint(self, directory: str | Path) -> int:
         """Restore a checkpoint written by `save_checkpoint` at any (TP, PP, DP) layout (all ranks
         together); return its step. Optimizer hyperparameters come from this trainer's config."""
