@@ -68,3 +68,28 @@ def test_resources_takes_the_workload_from_a_measured_run(tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"episodes measured in {run_dir}" in text
     assert "1. trainer 8 h800" in text and "compute=h800x8" in text
+
+
+def test_resources_splits_cpu_ranks_from_a_measured_run(tmp_path, capsys):
+    from tests.test_simulate import traced_run
+
+    run_dir, out = tmp_path / "cal", tmp_path / "split.toml"
+    traced_run(run_dir)
+    tiny = str(REPO / "configs/tiny.toml")
+    code = cli.main(["plan", tiny, "--resources", "--ranks", "4", "--calibrate", str(run_dir),
+                     "--write", str(out)])  # fmt: skip
+    assert code == 0
+    text = capsys.readouterr().out
+    ranked = [line for line in text.splitlines() if line[:3] in ("1. ", "2. ", "3. ")]
+    assert len(ranked) == 3  # 2/1/1, 1/2/1, 1/1/2
+    rates = [float(line.split(" traj/s")[0].rsplit("| ", 1)[1]) for line in ranked]
+    assert rates == sorted(rates, reverse=True)
+    assert "the config's split: rollout 1 | env 1 | trainer 1" in text
+    roles = load_config(out).roles
+    assert roles.rollout.num_ranks + roles.env.num_ranks + roles.trainer.num_ranks == 4
+    assert f"rollout {roles.rollout.num_ranks} | env {roles.env.num_ranks} | trainer" in ranked[0]
+
+
+def test_cpu_ranks_need_a_measured_run(capsys):
+    assert cli.main(["plan", str(REPO / "configs/tiny.toml"), "--resources", "--ranks", "4"]) == 2
+    assert "--calibrate" in capsys.readouterr().err

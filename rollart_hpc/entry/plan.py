@@ -5,7 +5,12 @@ plan that cannot fit is a usage error (exit 2) naming the rank, its total, its l
 `--resources --gpus N [--hardware h800:64,h20:24] [--model CONFIG_JSON] [--calibrate RUN_DIR] [--write OUT]`:
 the split of N GPUs among the trainer and the rollout pools, the trainer's layout and the staleness bound,
 searched by simulating the config's workload (`rollart_hpc.sim.resources`); prints the best few and writes
-the best as a config that `plan --memory` accepts."""
+the best as a config that `plan --memory` accepts.
+
+`--resources --ranks N --calibrate RUN_DIR [--write OUT]`: on CPU ranks instead of GPUs, the split of N ranks
+among rollout, env and trainer (the controller and reward ranks on top), each simulated with the costs and
+episodes of the measured run (`rollart_hpc.sim.resources.search_ranks`); prints the best few and the config's
+own split, and writes the best as a config."""
 
 from __future__ import annotations
 
@@ -21,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT", help="with --memory: write the memory plan as JSON to OUT")
     parser.add_argument("--resources", action="store_true", help="search the GPU split (needs --gpus)")
     parser.add_argument("--gpus", type=int, default=0, help="with --resources: GPUs to split")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=0,
+        help="with --resources --calibrate: CPU ranks to split instead of GPUs",
+    )
     parser.add_argument(
         "--hardware", default="", help="with --resources: GPU types and counts, h800:64,h20:24"
     )
@@ -46,8 +57,8 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("--json writes the memory plan: add --memory")
     if args.resources:
         return resources(args)
-    if args.write or args.gpus or args.hardware:
-        raise UsageError("--gpus, --hardware and --write belong to --resources")
+    if args.write or args.gpus or args.hardware or args.ranks:
+        raise UsageError("--gpus, --ranks, --hardware and --write belong to --resources")
     config = load_config(args.config, args.overrides)
     print(make_plan(config.roles).table())
     if args.memory:
@@ -79,6 +90,8 @@ def resources(args: argparse.Namespace) -> int:
         )
     if args.top < 1:
         raise UsageError(f"--top must be >= 1, got {args.top}")
+    if args.ranks:
+        return cpu_ranks(args)
     config = load_config(args.config, args.overrides)
     if args.hardware:
         gpus = parse_hardware(args.hardware)
@@ -136,4 +149,51 @@ def resources(args: argparse.Namespace) -> int:
     if args.write:
         write(tree, splits[0], args.write)
         print(f"wrote {args.write} (split 1); check it with: launch.py plan {args.write} --memory")
+    return 0
+
+
+def cpu_ranks(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import tomli_w
+
+    from rollart_hpc.config import load_config
+    from rollart_hpc.config.loader import apply_overrides, load_toml
+    from rollart_hpc.contracts.errors import UsageError
+    from rollart_hpc.entry.simulate import _run_config
+    from rollart_hpc.sim.model import Scenario, refine
+    from rollart_hpc.sim.profile import calibrate
+    from rollart_hpc.sim.resources import RankSplit, rank_tree, search_ranks, simulate_ranks
+
+    if args.gpus or args.hardware or args.model:
+        raise UsageError("--ranks splits CPU ranks: --gpus, --hardware and --model do not apply")
+    if not args.calibrate:
+        raise UsageError("--ranks needs --calibrate RUN_DIR (the measured run whose costs it simulates)")
+    if args.ranks < 3:
+        raise UsageError(f"--ranks: needs N >= 3 (one rollout, env and trainer rank), got {args.ranks}")
+    config = load_config(args.config, args.overrides)
+    tree = apply_overrides(load_toml(Path(args.config)), args.overrides)
+    run_dir = Path(args.calibrate).resolve()
+    run_config = _run_config(run_dir)
+    profile, _ = calibrate(run_dir, run_config.roles.rollout.num_ranks)
+    profile = refine(profile, Scenario(run_config))
+    trainers = run_config.roles.trainer.num_ranks
+    print(f"workload and costs: measured in {run_dir} ({trainers} trainer rank(s))")
+    splits = search_ranks(tree, args.ranks, profile, trainers)
+    print(
+        f"best {min(args.top, len(splits))} of {len(splits)} splits of {args.ranks} ranks, by trajectories/s:"
+    )
+    for i, split in enumerate(splits[: args.top], 1):
+        print(f"{i}. {split.describe()}")
+    roles = config.roles
+    own = RankSplit(roles.rollout.num_ranks, roles.env.num_ranks, roles.trainer.num_ranks)
+    mine = simulate_ranks(tree, own, profile, trainers)
+    print(f"the config's split: {mine.describe()}")
+    print(
+        f"best over the config's split: {splits[0].trajectories_per_s / mine.trajectories_per_s:.2f}x traj/s"
+    )
+    if args.write:
+        tree = rank_tree(tree, splits[0])
+        Path(args.write).write_text(tomli_w.dumps(tree))
+        print(f"wrote {args.write} (split 1)")
     return 0

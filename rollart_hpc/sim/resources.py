@@ -14,6 +14,9 @@ Search, and its assumptions:
   (the pipeline's fill-up excluded from the step time).
 - Where the vLLM share plus the weight-receive buffers exceed a pool's GPU, the written config lowers
   `rollout.vllm.gpu_memory_utilization` to the largest share (in hundredths) that fits every pool.
+
+On CPU ranks (`search_ranks`): every split of N ranks among rollout, env and trainer, simulated with a measured
+run's costs and episodes (assumptions in its docstring).
 """
 
 from __future__ import annotations
@@ -197,3 +200,74 @@ def write(base: dict[str, Any], split: GpuSplit, path: str | Path) -> None:
     tree = candidate_tree(base, split)
     _config(tree)
     Path(path).write_text(tomli_w.dumps(tree))
+
+
+@dataclass
+class RankSplit:
+    """A split of CPU ranks among rollout, env and trainer (the controller and reward ranks come on top)."""
+
+    rollout: int
+    env: int
+    trainer: int
+    step_s: float = 0.0
+    trajectories_per_s: float = 0.0
+    busy: dict[str, float] = field(default_factory=dict)
+
+    def overrides(self) -> dict[str, int]:
+        return {
+            "roles.rollout.num_ranks": self.rollout,
+            "roles.env.num_ranks": self.env,
+            "roles.trainer.num_ranks": self.trainer,
+        }
+
+    def describe(self) -> str:
+        util = " ".join(f"{k}={v:.0%}" for k, v in self.busy.items())
+        return (
+            f"rollout {self.rollout} | env {self.env} | trainer {self.trainer} | step {self.step_s:.2f} s | "
+            f"{self.trajectories_per_s:.2f} traj/s | busy {util}"
+        )
+
+
+def rank_tree(base: dict[str, Any], split: RankSplit) -> dict[str, Any]:
+    tree = copy.deepcopy(base)
+    roles = tree.setdefault("roles", {})
+    for role, count in (("rollout", split.rollout), ("env", split.env), ("trainer", split.trainer)):
+        roles.setdefault(role, {})["num_ranks"] = count
+    return tree
+
+
+def simulate_ranks(
+    base: dict[str, Any], split: RankSplit, profile: Any, calibration_trainers: int, seeds: int = 3
+) -> RankSplit:
+    """`split` with its simulated step time, throughput and busy fractions (assumptions: `search_ranks`)."""
+    from rollart_hpc.sim.model import Scenario, simulate
+
+    config = _config(rank_tree(base, split))
+    scenario = Scenario(config, trainer_speed=split.trainer / max(calibration_trainers, 1))
+    out = simulate(scenario, profile, seeds)
+    split.step_s, split.trajectories_per_s = out["step_s"], out["trajectories_per_s"]
+    split.busy = {k: out["busy"][k] for k in ("rollout", "trainer") if k in out["busy"]}
+    return split
+
+
+def search_ranks(
+    base: dict[str, Any], ranks: int, profile: Any, calibration_trainers: int, seeds: int = 3
+) -> list[RankSplit]:
+    """Every split of `ranks` CPU ranks among rollout, env and trainer (each at least one) whose config is
+    valid, simulated with a profile calibrated on a measured run, best throughput first.
+
+    Assumptions: each rollout rank is one engine at the calibrated cost and each env rank brings
+    `envs.num_slots` slots with the measured episodes' env times (the model's own); the trainer's step time
+    scales as 1/trainer ranks against the calibration run's (ideal data parallelism); cores are not
+    modelled: on a box with fewer cores than ranks, ranks that compute share them."""
+    results = []
+    for trainer in range(1, ranks - 1):
+        for rollout in range(1, ranks - trainer):
+            split = RankSplit(rollout, ranks - trainer - rollout, trainer)
+            try:
+                results.append(simulate_ranks(base, split, profile, calibration_trainers, seeds))
+            except UsageError:
+                continue  # e.g. a batch the trainer ranks cannot divide
+    if not results:
+        raise UsageError(f"no valid split of {ranks} ranks among rollout, env and trainer")
+    return sorted(results, key=lambda s: -s.trajectories_per_s)
