@@ -104,8 +104,9 @@ def test_two_data_parallel_ranks_match_one(tmp_path: Path) -> None:
     assert seq2["loss"] == pytest.approx(seq1["loss"], rel=1e-5)
     assert seq2["grad_norm"] == pytest.approx(seq1["grad_norm"], rel=1e-5)
     # Two ranks sum their gradients in another order than one rank does; under load the BLAS may also split
-    # its sums differently: float32 noise of up to ~1e-6 on single elements, not a different gradient.
-    torch.testing.assert_close(dp2["grad"], dp1["grad"], rtol=1e-5, atol=2e-6)
+    # its sums differently: float32 noise of a few 1e-6 on single elements (2.3e-6 seen once on a box at load
+    # 20, on one element of 623,744), not a different gradient.
+    torch.testing.assert_close(dp2["grad"], dp1["grad"], rtol=1e-5, atol=5e-6)
     initial = load_weights(model_dir)
     assert not torch.equal(dp1["weights"]["model.norm.weight"], initial["model.norm.weight"])
     for name, w1 in dp1["weights"].items():
