@@ -26,7 +26,7 @@ Status = Literal["ok", "failed"]
 
 # Why an episode ended. "ok" trajectories end with one of OK_CAUSES, failed ones with FAILURE_CAUSES.
 OK_CAUSES = ("done", "max_turns", "context_limit", "max_tokens")
-FAILURE_CAUSES = ("crash", "timeout", "error", "llm_error", "abort", "reward_error")
+FAILURE_CAUSES = ("crash", "timeout", "error", "llm_error", "abort", "reward_error", "agent_error")
 
 DispatchValue = int | float | str | bool
 

@@ -11,6 +11,7 @@ after the assistant turn, that token is not added a second time.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 Message = dict[str, str]
@@ -35,9 +36,13 @@ class ChatTokens:
                 ids.append(tid)
         return tuple(ids)
 
-    def render(self, messages: list[Message], generation_prompt: bool) -> str:
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool, tools: list[Any] | None = None
+    ) -> str:
+        """The template's text of `messages` (with `tools` when given: templates that render them)."""
+        extra = {"tools": tools} if tools else {}
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
+            list(messages), tokenize=False, add_generation_prompt=generation_prompt, **extra
         )
         return str(text)
 
