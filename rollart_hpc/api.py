@@ -27,6 +27,15 @@ Reward functions (`[reward] functions = { wordle = "wordle_game:score" }`) follo
 The agent that plays each episode follows `Agent` (the built-in `run_episode`); an env is driven through
 `AsyncEnv` (a child process per env slot) and turns are generated through `LLMClient`.
 
+An agent of the run's own, written against the OpenAI chat-completions API, follows `OpenAIAgent`::
+
+    [envs]
+    agent = "my_agent:run"                    # async def run(client: openai.AsyncOpenAI, task: Task)
+
+It plays every episode with the `client` given (whose base URL is the episode's own scope on the env
+rank's endpoint) and returns the episode's reward, a float or an `Outcome`; every turn is recorded token
+for token (see `rollart_hpc.envs.openai_server` and `rollart_hpc.tasks.chat_api`).
+
 A text `gymnasium.Env` (string observations and actions) becomes a family through `gymnasium_family`::
 
     [[envs.plugins]]
@@ -49,6 +58,7 @@ from rollart_hpc.contracts.generation import LLMClient, RequestOutput, SamplingP
 from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.tasks.agent_loop import AgentConfig, run_episode
 from rollart_hpc.tasks.chat import ChatTokens
+from rollart_hpc.tasks.chat_api import AgentOutcome
 from rollart_hpc.tasks.families.calc_math import answer_matches, parse_action
 from rollart_hpc.tasks.families.gym_text import gymnasium_family
 from rollart_hpc.tasks.registry import Family
@@ -63,6 +73,8 @@ __all__ = [
     "Env",
     "EnvError",
     "LLMClient",
+    "OpenAIAgent",
+    "Outcome",
     "RequestOutput",
     "SamplingParams",
     "StepResult",
@@ -106,6 +118,25 @@ class Agent(Protocol):
         cfg: AgentConfig,
         traj: Trajectory,
     ) -> Trajectory: ...
+
+
+class OpenAIAgent(Protocol):
+    """The signature of an agent of the run's own (`envs.agent`): play `task` (its `system` and `prompt`
+    texts are the natural first messages) by calling `client.chat.completions.create(...)` (an
+    `openai.AsyncOpenAI` scoped to this episode; non-streaming, one request at a time, every request
+    repeating the conversation so far with the returned assistant messages; tools in OpenAI's function
+    form, calls back in `message.tool_calls`), and return the episode's reward: a float (success when
+    > 0) or an `Outcome`. An exception ends the episode as failed (cause "agent_error"), never the run;
+    a request refused for the task's turn limit or the context length ends it "max_turns" /
+    "context_limit" whatever the agent does then. The float becomes the trajectory's `env_return` and is
+    its reward, unless `reward.functions` names a function for the task's family."""
+
+    async def __call__(self, client: Any, task: Task) -> float | AgentOutcome: ...
+
+
+Outcome = AgentOutcome
+"""What an `OpenAIAgent` may return instead of a float: `Outcome(reward, success=None)`; success None
+means reward > 0."""
 
 
 BUILTIN_AGENT: Agent = run_episode

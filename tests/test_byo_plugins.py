@@ -169,7 +169,7 @@ def test_cross_section_checks_of_reward_functions_and_python_path():
     with pytest.raises(UsageError, match=r"reward\.functions\.wordle: family not in envs\.families"):
         build(Config, {"reward": {"functions": {"wordle": "a:b"}}})
     with pytest.raises(
-        UsageError, match=r"run\.python_path: set only with envs\.plugins or reward\.functions"
+        UsageError, match=r"run\.python_path: set only with envs\.plugins, reward\.functions or envs\.agent"
     ):
         build(Config, {"run": {"python_path": ["."]}})
 

@@ -342,3 +342,48 @@ def test_max_tokens_is_capped_by_the_run_and_the_context(chat: ChatTokens) -> No
     assert engine.sampling["ep/t0"].max_tokens == 5
     assert engine.sampling["ep/t0"].temperature == cfg.temperature
     assert (traj.status, traj.env_won) == ("ok", False)
+
+
+def test_env_worker_plays_concurrent_agent_episodes_through_one_endpoint(chat: ChatTokens) -> None:
+    from rollart_hpc.envs.worker import EnvWorker, EnvWorkerConfig
+
+    ids = [f"w{i}" for i in range(6)]
+    engine = FakeEngine(chat, {e: [f"Let me compute.{CALL}", "The answer is 5."] for e in ids})
+
+    async def main() -> tuple[list[Any], int]:
+        async with EnvWorker(
+            EnvWorkerConfig(num_slots=3), CFG, chat.tokenizer, openai_agent=_tool_agent
+        ) as worker:
+            trajs = await worker.run_many([_task(f"calc_math/000{i}") for i in range(6)], engine, ids)
+            assert worker.server is not None
+            return trajs, worker.server.stats["requests"]
+
+    trajs, requests = asyncio.run(main())
+    assert requests == 12  # every episode's two turns went through the one server
+    for episode, traj in zip(ids, trajs, strict=True):
+        traj.validate()
+        assert (traj.status, traj.finish_cause, traj.env_return, traj.episode_id) == (
+            "ok",
+            "done",
+            1.0,
+            episode,
+        )
+        assert traj.token_ids == engine.prompts[f"{episode}/t1"] + engine.outputs[f"{episode}/t1"].token_ids
+
+
+def test_env_worker_time_limit_fails_the_episode_and_aborts_its_request(chat: ChatTokens) -> None:
+    from rollart_hpc.envs.worker import EnvWorker, EnvWorkerConfig
+
+    engine = FakeEngine(chat, {"slow": ["never"]}, block=True)
+
+    async def main() -> Any:
+        cfg = EnvWorkerConfig(num_slots=1, episode_timeout_s=1.0)
+        async with EnvWorker(cfg, CFG, chat.tokenizer, openai_agent=_tool_agent) as worker:
+            traj = await worker.run_episode(_task(), engine, episode_id="slow")
+            assert worker.server is not None and not worker.server.scopes
+            return traj
+
+    traj = asyncio.run(main())
+    assert (traj.status, traj.finish_cause) == ("failed", "timeout")
+    # The request is aborted if it reached the engine before the limit (it does on any usual machine).
+    assert engine.aborted == (["slow/t0"] if engine.started.is_set() else [])

@@ -48,7 +48,7 @@ class RunConfig:
     python_path: list[str] = doc_field(
         [],
         "Directories put first on sys.path of every rank and of its env and reward workers, so that the "
-        "modules of envs.plugins and reward.functions import (relative to the config file's directory).",
+        "modules of envs.plugins, reward.functions and envs.agent import (relative to the config file's directory).",
     )
 
     def validate(self, path: str) -> None:
@@ -415,6 +415,11 @@ class DatasetConfig:
         0.0, "Without split_field: this fraction of rows (chosen by a hash of the prompt) is held out."
     )
     system: str = doc_field(DATASET_SYSTEM, "System prompt of every task.")
+    max_turns: int = doc_field(
+        1,
+        "Turn limit of every task: an agent of the run's own (envs.agent) may make this many requests, "
+        "e.g. tool calls before its answer (the built-in agent's episode ends at its first reply).",
+    )
 
     def validate(self, path: str) -> None:
         check_family_name(f"{path}.name", self.name)
@@ -428,6 +433,8 @@ class DatasetConfig:
             raise UsageError(f"{path}: prompt_field and answer_field must be non-empty")
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise UsageError(f"{path}.heldout_fraction: must be in [0, 1), got {self.heldout_fraction}")
+        if self.max_turns < 1:
+            raise UsageError(f"{path}.max_turns: must be >= 1, got {self.max_turns}")
         if self.split_field and self.heldout_fraction:
             raise UsageError(f"{path}.heldout_fraction: set split_field or heldout_fraction, not both")
 
@@ -449,6 +456,17 @@ class EnvsConfig:
     household_types: list[str] = doc_field([], "household: quest types to keep (empty = all types).")
     household_numbered: bool = doc_field(
         False, "household: list actions with numbers; a reply may be the number."
+    )
+    agent: str = doc_field(
+        "",
+        "Import path 'package.module:run' of an agent of the run's own, `async def run(client, task)` "
+        "(rollart_hpc.api.OpenAIAgent): it plays every episode through an openai.AsyncOpenAI client on "
+        "the env rank's chat-completions endpoint and returns the reward (a float or rollart_hpc.api."
+        "Outcome); empty = the built-in agent loop with the families' envs.",
+    )
+    agent_host: str = doc_field(
+        "127.0.0.1",
+        "Address the env ranks' chat-completions endpoint binds (envs.agent; agents run on the rank).",
     )
     num_slots: int = doc_field(8, "Concurrent episodes per env rank.")
     step_timeout_s: float = doc_field(30.0, "Longest env step before the episode fails as a timeout.")
@@ -504,6 +522,10 @@ class EnvsConfig:
         for name in self.num_tasks:
             if name not in self.families:
                 raise UsageError(f"{path}.num_tasks.{name}: family not in {path}.families")
+        if self.agent:
+            check_import_path(f"{path}.agent", self.agent)
+        if not self.agent_host:
+            raise UsageError(f"{path}.agent_host: must name an address, e.g. '127.0.0.1'")
         if not self.families or self.num_slots < 1:
             raise UsageError(f"{path}: needs at least one family and num_slots >= 1")
         if not 1 <= self.calc_max_ops <= CALC_MAX_OPS:
@@ -736,5 +758,7 @@ class Config:
         for family in self.reward.functions:
             if family not in self.envs.families:
                 raise UsageError(f"reward.functions.{family}: family not in envs.families")
-        if self.run.python_path and not (self.envs.plugins or self.reward.functions):
-            raise UsageError("run.python_path: set only with envs.plugins or reward.functions (no effect)")
+        if self.run.python_path and not (self.envs.plugins or self.reward.functions or self.envs.agent):
+            raise UsageError(
+                "run.python_path: set only with envs.plugins, reward.functions or envs.agent (no effect)"
+            )

@@ -35,6 +35,7 @@ from rollart_hpc.routing.router import PoolSpec, Router, episode_of
 from rollart_hpc.tasks.agent_loop import AgentConfig
 from rollart_hpc.tasks.build import family_specs, playable_tasks
 from rollart_hpc.tasks.episodes import is_greedy_episode, seed_key
+from rollart_hpc.tasks.plugins import load_callable
 from rollart_hpc.tasks.types import Task
 
 if TYPE_CHECKING:
@@ -186,9 +187,12 @@ async def serve(config: Config, ctx: RunContext, tokenizer: PreTrainedTokenizerB
     tasks = playable_tasks(config.envs, heldout=evaluates)
     worker_config = EnvWorkerConfig.from_config(config.envs, config.run.seed)
     agent = AgentConfig.from_config(config.rollout)
-    async with EnvWorker(worker_config, agent, tokenizer, specs) as worker:
+    own_agent = load_callable(config.envs.agent, config.run.python_path) if config.envs.agent else None
+    async with EnvWorker(worker_config, agent, tokenizer, specs, own_agent, config.envs.agent_host) as worker:
         rank = EnvRank(config, ctx, worker, tasks)
         await rank.pump()
+        if worker.server is not None:
+            ctx.log.info(f"chat-completions endpoint: {dict(worker.server.stats)}")
         rank.timeline.write(ctx.run_dir)
         rank.write_routing(ctx.run_dir)
         return rank.busy_s

@@ -6,6 +6,10 @@ per slot), drives the agent loop against a `ChildProcessEnv` bound to that slot'
 on the pipe with a per-request deadline (`reset_timeout_s`, `step_timeout_s`, never past the episode's
 deadline `episode_timeout_s`, which bounds the episode's whole wall time including LLM turns).
 
+With an agent of the run's own (`openai_agent`, `envs.agent`), an episode is that agent's call through
+the worker's chat-completions endpoint (`rollart_hpc.envs.openai_server`), in a slot, under the same
+episode deadline; no env child is started.
+
 Failure handling, the invariant: every episode returns a Trajectory and the worker stays up.
 - the child exits (crash) -> EOF on the pipe -> failed trajectory, cause "crash";
 - no reply by the deadline (hang) or the episode deadline passes -> cause "timeout";
@@ -29,7 +33,7 @@ import multiprocessing as mp
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollart_hpc.config.schema import EnvsConfig
 from rollart_hpc.contracts.generation import LLMClient
@@ -40,6 +44,9 @@ from rollart_hpc.tasks.agent_loop import AgentConfig, fail, new_trajectory, run_
 from rollart_hpc.tasks.chat import ChatTokens
 from rollart_hpc.tasks.registry import FamilySpec
 from rollart_hpc.tasks.types import EnvError, StepResult, Task
+
+if TYPE_CHECKING:
+    from rollart_hpc.envs.openai_server import ChatServer, OpenAIAgentFn
 
 
 @dataclass(frozen=True)
@@ -175,9 +182,14 @@ class EnvWorker:
         agent: AgentConfig,
         tokenizer: Any,
         families: dict[str, FamilySpec] | None = None,
+        openai_agent: OpenAIAgentFn | None = None,
+        agent_host: str = "127.0.0.1",
     ) -> None:
         self.cfg, self.agent = cfg, agent
         self.chat = ChatTokens(tokenizer)
+        self.openai_agent, self.agent_host = openai_agent, agent_host
+        self.server: ChatServer | None = None
+        self._server_lock = asyncio.Lock()
         self.families = dict(families or {})
         self.counts: Counter[str] = Counter()
         self._ctx = mp.get_context(cfg.start_method)
@@ -192,7 +204,21 @@ class EnvWorker:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self.server is not None:
+            await self.server.stop()
+            self.server = None
         self.close()
+
+    async def chat_server(self) -> ChatServer:
+        """The chat-completions endpoint of an OpenAI-client agent, started on first use."""
+        async with self._server_lock:  # episodes start at once: one server
+            if self.server is None:
+                from rollart_hpc.envs.openai_server import ChatServer
+
+                server = ChatServer(self.chat, self.agent, host=self.agent_host)
+                await server.start()
+                self.server = server
+            return self.server
 
     def start(self) -> None:
         self._slots = asyncio.Queue()
@@ -219,6 +245,8 @@ class EnvWorker:
             raise RuntimeError("EnvWorker.start() was not called")
         eid = episode_id or f"{task.id}#{next(self._ids)}"
         traj = new_trajectory(task, eid, dispatch)
+        if self.openai_agent is not None:
+            return await self._run_openai_agent(self.openai_agent, task, client, agent or self.agent, traj)
         child = await self._slots.get()
         try:
             child = child or self._spawn()
@@ -233,6 +261,27 @@ class EnvWorker:
                 self._discard(child)
                 child = None
             self._slots.put_nowait(child)
+        self.counts[traj.finish_cause] += 1
+        return traj
+
+    async def _run_openai_agent(
+        self, fn: OpenAIAgentFn, task: Task, client: LLMClient, agent: AgentConfig, traj: Trajectory
+    ) -> Trajectory:
+        """One episode of an OpenAI-client agent (no env child: the agent is its own env), in a slot."""
+        from rollart_hpc.envs.openai_server import run_agent_episode
+
+        assert self._slots is not None
+        server = await self.chat_server()
+        slot = await self._slots.get()
+        try:
+            limit = self.cfg.episode_timeout_s
+            try:
+                async with asyncio.timeout(limit):
+                    await run_agent_episode(fn, server, task, client, agent, traj, timeout_s=limit)
+            except TimeoutError:
+                fail(traj, "timeout", f"episode exceeded {limit} s")
+        finally:
+            self._slots.put_nowait(slot)
         self.counts[traj.finish_cause] += 1
         return traj
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from rollart_hpc.config.schema import EnvsConfig
 from rollart_hpc.tasks.registry import FamilySpec
-from rollart_hpc.tasks.rewards import ENV_WON
+from rollart_hpc.tasks.rewards import AGENT_RETURN, ENV_WON
 from rollart_hpc.tasks.types import Task
 
 DATASET_FACTORY = "rollart_hpc.tasks.families.dataset:DatasetFamily"
@@ -73,6 +73,9 @@ def playable_tasks(envs: EnvsConfig, heldout: bool) -> dict[str, Task]:
 
 
 def own_family_rewards(envs: EnvsConfig) -> dict[str, str]:
-    """The registered reward function of each envs.plugins / envs.datasets family (the env's verdict);
+    """The registered reward function of each envs.plugins / envs.datasets family (the env's verdict); in
+    a run with its own agent (`envs.agent`), every family's is the agent's return (`agent_return`).
     `reward.functions` entries take precedence over these."""
+    if envs.agent:
+        return dict.fromkeys(envs.families, AGENT_RETURN)
     return dict.fromkeys(envs.own_families, ENV_WON)

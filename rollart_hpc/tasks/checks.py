@@ -1,6 +1,6 @@
 """The checks of a run's own code and data, made when a run starts (before its run directory is written).
 
-`check_own_code` imports every envs.plugins factory and reward.functions entry, builds each plug-in family
+`check_own_code` imports every envs.plugins factory and reward.functions entry and the envs.agent function, builds each plug-in family
 and holds it to the `Family` contract (methods, name, tasks, an env with reset/step/close), and reads every
 envs.datasets file. Each problem is a `UsageError` of one line naming the config key; what passes comes
 back as summary lines (one per dataset: its tasks and malformed rows).
@@ -29,6 +29,8 @@ def check_own_code(envs: EnvsConfig, reward: RewardConfig, python_path: Sequence
         check_family(f"envs.plugins[{index}]", plugin.name, plugin.factory, plugin.options)
     for family, path in reward.functions.items():
         check_reward_fn(f"reward.functions.{family}", path)
+    if envs.agent:
+        check_agent("envs.agent", envs.agent)
     return [dataset_summary(f"envs.datasets[{i}]", d) for i, d in enumerate(envs.datasets)]
 
 
@@ -89,6 +91,19 @@ def check_reward_fn(key: str, path: str) -> None:
     except TypeError:
         raise UsageError(f"{key}: {path!r} does not take one argument (a RewardInput)") from None
     except ValueError:  # no signature to read (a builtin): called as is
+        pass
+
+
+def check_agent(key: str, path: str) -> None:
+    """The agent must be an async function taking two arguments (an openai.AsyncOpenAI client, a Task)."""
+    fn = _load(key, path)
+    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
+        raise UsageError(f"{key}: {path!r} is not an async function (async def run(client, task))")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise UsageError(f"{key}: {path!r} does not take two arguments (client, task)") from None
+    except ValueError:  # no signature to read: called as is
         pass
 
 

@@ -45,6 +45,15 @@ ENV_WON = "rollart_hpc.tasks.rewards:env_won"
 """The import path of `env_won`, the reward of a family that names no function of its own."""
 
 
+AGENT_RETURN = "rollart_hpc.tasks.rewards:agent_return"
+"""The import path of `agent_return`, the reward of every family of a run with its own agent (`envs.agent`)."""
+
+
+def agent_return(inp: RewardInput) -> RewardOutput:
+    """The reward an agent of the run's own returned (`env_return`), a success when it said so (`env_won`)."""
+    return RewardOutput(inp.env_return, inp.env_won)
+
+
 def env_won(inp: RewardInput) -> RewardOutput:
     """1.0 if the env reported a win (household, frozenlake, and every family without its own function)."""
     return RewardOutput(1.0 if inp.env_won else 0.0, inp.env_won)

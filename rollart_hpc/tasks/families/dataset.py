@@ -168,8 +168,9 @@ class DatasetFamily:
         split_field: str = "",
         heldout_fraction: float = 0.0,
         system: str = DATASET_SYSTEM,
+        max_turns: int = 1,
     ) -> None:
-        self.name, self.system = name, system
+        self.name, self.system, self.max_turns = name, system, max_turns
         self.data = read_rows(path, prompt_field, answer_field, split_field, heldout_fraction)
         if self.data.malformed:
             _log_once(self.data.summary(name))
@@ -186,7 +187,7 @@ class DatasetFamily:
     def task(self, tid: str) -> Task:
         if tid not in self._rows:
             raise KeyError(f"unknown {self.name} task id {tid!r}")
-        return Task(tid, self.name, (self.name,), 1, self.system, self._rows[tid].prompt, STOP)
+        return Task(tid, self.name, (self.name,), self.max_turns, self.system, self._rows[tid].prompt, STOP)
 
     def make_env(self) -> DatasetEnv:
         prompts = {tid: r.prompt for tid, r in self._rows.items()}
