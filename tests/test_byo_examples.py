@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-EXAMPLES = {"wordle": "wordle", "jsonl_tasks": "trivia", "gym_text": "guess"}
+EXAMPLES = {"wordle": "wordle", "jsonl_tasks": "trivia", "gym_text": "guess", "openai_agent": "arith"}
 
 
 @pytest.mark.parametrize(("example", "family"), sorted(EXAMPLES.items()))
