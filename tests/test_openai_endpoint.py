@@ -102,6 +102,62 @@ async def _tool_agent(client: openai.AsyncOpenAI, task: Task) -> float:
     return 1.0
 
 
+# A template that renders tools itself (the shape of Qwen2.5's): the endpoint passes them through.
+NATIVE_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "\n\n{% endif %}# Native tools\n{% for t in tools %}{{ t['function']['name'] }}: "
+    "{{ t['function']['description'] }}\n{% endfor %}<|im_end|>\n"
+    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}{% if m['role'] == 'system' and loop.first %}"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "<|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def native_chat() -> ChatTokens:
+    from rollart_hpc.models.tiny import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = NATIVE_TEMPLATE
+    return ChatTokens(tokenizer)
+
+
+def test_a_template_that_renders_tools_gets_them_natively_with_the_same_fidelity(
+    native_chat: ChatTokens,
+) -> None:
+    task = _task()
+    engine = FakeEngine(native_chat, {"ep-0": [f"Let me compute.{CALL}", "The answer is 5."]})
+    traj = new_trajectory(task, "ep-0")
+
+    async def body(server: ChatServer) -> Any:
+        return await run_agent_episode(_tool_agent, server, task, engine, CFG, traj)
+
+    async def main() -> Any:
+        async with ChatServer(native_chat, CFG) as server:
+            return await body(server)
+
+    asyncio.run(main())
+    traj.validate()
+    assert (traj.status, traj.env_return, traj.num_turns) == ("ok", 1.0, 2)
+    p0, p1 = engine.prompts["ep-0/t0"], engine.prompts["ep-0/t1"]
+    out0, out1 = engine.outputs["ep-0/t0"], engine.outputs["ep-0/t1"]
+    assert (
+        traj.token_ids == p1 + out1.token_ids and p1[: len(p0) + len(out0.token_ids)] == p0 + out0.token_ids
+    )
+    head = native_chat.decode(p0, skip_special=False)
+    assert (
+        head.startswith("<|im_start|>system\nSolve it.\n\n# Native tools\ncalc: Evaluate")
+        and "<tools>" not in head
+    )
+    cont = native_chat.decode(p1[len(p0) + len(out0.token_ids) :], skip_special=False)
+    assert (
+        cont == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
 def test_token_fidelity_of_a_tool_call_conversation_through_the_openai_client(chat: ChatTokens) -> None:
     task = _task()
     engine = FakeEngine(chat, {"ep-0": [f"Let me compute.{CALL}", "The answer is 5."]})
