@@ -62,7 +62,7 @@ from rollart_hpc.tasks.chat_api import AgentOutcome
 from rollart_hpc.tasks.families.calc_math import answer_matches, parse_action
 from rollart_hpc.tasks.families.gym_text import gymnasium_family
 from rollart_hpc.tasks.registry import Family
-from rollart_hpc.tasks.rewards import RewardInput, RewardOutput, env_won
+from rollart_hpc.tasks.rewards import RewardInput, RewardOutput, agent_return, env_won
 from rollart_hpc.tasks.types import AsyncEnv, Env, EnvError, StepResult, Task
 
 __all__ = [
@@ -85,6 +85,7 @@ __all__ = [
     "RewardInput",
     "RewardOutput",
     "Task",
+    "agent_return",
     "answer_matches",
     "env_won",
     "gymnasium_family",
