@@ -443,3 +443,26 @@ def test_env_worker_time_limit_fails_the_episode_and_aborts_its_request(chat: Ch
     assert (traj.status, traj.finish_cause) == ("failed", "timeout")
     # The request is aborted if it reached the engine before the limit (it does on any usual machine).
     assert engine.aborted == (["slow/t0"] if engine.started.is_set() else [])
+
+
+def test_tool_choice_none_returns_the_reply_as_plain_content(chat: ChatTokens) -> None:
+    engine = FakeEngine(chat, {"ep": [CALL]})
+    traj = new_trajectory(_task(), "ep")
+
+    async def agent(client: openai.AsyncOpenAI, task: Task) -> float:
+        reply = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="none"
+        )
+        choice = reply.choices[0]
+        assert (choice.finish_reason, choice.message.content, choice.message.tool_calls) == (
+            "stop",
+            CALL,
+            None,
+        )
+        return 1.0
+
+    async def body(server: ChatServer) -> None:
+        await run_agent_episode(agent, server, _task(), engine, CFG, traj)
+
+    _serve(chat, body)
+    assert (traj.status, traj.env_return) == ("ok", 1.0)

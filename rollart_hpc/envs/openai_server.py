@@ -11,10 +11,11 @@ Endpoints (JSON in and out, OpenAI's error shape `{"error": {"message", "type", 
 - `POST .../v1/chat/completions`: non-streaming. Refused with 400: `stream: true`, `n` other than 1, a
   malformed body, a `temperature` / `top_p` other than the run's rollout sampling (the trainer's log-probs
   assume the run's temperature; an evaluation episode samples greedily whatever the request says),
-  a `tool_choice` other than "auto" / "none", an edited history, a request past the task's turn limit
-  (`max_turns`) or one whose prompt leaves fewer than `min_new_tokens` of context (code
-  `context_length_exceeded`); one request of an episode at a time. `max_tokens` /
-  `max_completion_tokens` are honoured up to the run's `max_new_tokens` and the context left.
+  a `tool_choice` other than "auto" / "none" ("none": the reply is plain content), an edited history,
+  a request past the task's turn limit (`max_turns`) or one whose prompt leaves fewer than
+  `min_new_tokens` of context (code `context_length_exceeded`); one request of an episode at a time. `max_tokens` /
+  `max_completion_tokens` are honoured up to the run's `max_new_tokens` and the context left, `stop`
+  strings (up to 4) end the reply; `model`, `seed`, `logprobs` and other fields are ignored.
 Each request is one turn through the env rank's `LLMClient` (request id `RequestId.of_turn(episode, turn)`,
 sampling from the run's `AgentConfig`), recorded token for token by `rollart_hpc.tasks.chat_api`.
 
@@ -247,7 +248,8 @@ class ChatServer:
             scope.failure = problem
             return _error(500, problem[1], problem[0])
         malformed = scope.conv.malformed_tool_calls
-        message, text = scope.conv.record(prompt, added, out, scope.turn)
+        parse = body.get("tool_choice") != "none"
+        message, text = scope.conv.record(prompt, added, out, scope.turn, parse)
         self.stats["malformed_tool_calls"] += scope.conv.malformed_tool_calls - malformed
         traj.actions.append(text)
         traj.llm_s.append(time.monotonic() - started)

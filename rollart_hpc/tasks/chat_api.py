@@ -271,17 +271,22 @@ class Conversation:
         return self.chat.encode(suffix)
 
     def record(
-        self, prompt: list[int], added: list[dict[str, Any]], out: RequestOutput, turn: int
+        self,
+        prompt: list[int],
+        added: list[dict[str, Any]],
+        out: RequestOutput,
+        turn: int,
+        tools: bool = True,
     ) -> tuple[dict[str, Any], str]:
         """Append one turn (its mask-0 `prompt` ids and the engine's output); the assistant message to
-        return and its text (the turn's action)."""
+        return (tool calls parsed unless `tools` is False: tool_choice "none") and its text (the action)."""
         first = not self.seen
         self.traj.append(list(prompt), False, [], [])
         if first:
             self.traj.prompt_len = len(self.traj.token_ids)
         self.traj.append(list(out.token_ids), True, list(out.logprobs), list(out.versions))
         text = self.chat.assistant_text(out.token_ids)
-        content, calls, malformed = parse_tool_calls(text, turn)
+        content, calls, malformed = parse_tool_calls(text, turn) if tools else (text, [], False)
         self.malformed_tool_calls += int(malformed)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
