@@ -75,9 +75,10 @@ async def _run_worker(tokenizer: Any, cfg: EnvWorkerConfig, tasks: list[Task], i
 
 
 def test_fault_injection_counts_match_exactly(tokenizer: Any) -> None:
-    """200 episodes, 20% of steps crash or hang: every episode finishes; causes match the injection plan."""
+    """200 episodes, 20% of steps crash or hang (a hang sleeps until killed, so the step timeout is far above
+    a healthy step even on a loaded box): every episode finishes; causes match the injection plan."""
     faults = FaultConfig(seed=11, crash_prob=0.1, hang_prob=0.1)
-    cfg = EnvWorkerConfig(num_slots=16, step_timeout_s=0.6, reset_timeout_s=20.0, faults=faults)
+    cfg = EnvWorkerConfig(num_slots=16, step_timeout_s=4.0, reset_timeout_s=20.0, faults=faults)
     fam = make_family("calc_math")
     tasks = [fam.task(f"calc_math/{i:04d}") for i in range(200)]
     ids = [f"{t.id}#0" for t in tasks]
