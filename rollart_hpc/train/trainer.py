@@ -86,7 +86,7 @@ class Trainer:
             raise RuntimeError("initialise torch.distributed (the trainer ranks) before building a Trainer")
         self.cfg = cfg
         self.model_dir = Path(model_dir)
-        self.device = _pick_device()
+        self.device = pick_device()
         self.layout: Layout = ensure_model_parallel(
             cfg.seed, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.collective_timeout_s
         )
@@ -600,8 +600,10 @@ def _dummy_batch() -> PackedBatch:
     return from_sequences([[0, 0]], [[0, 0]], [[0.0, 0.0]], [[0.0, 0.0]])
 
 
-def _pick_device() -> torch.device:
-    """This rank's CUDA device (TF32 on for fp32 matmuls and convolutions), or the CPU without CUDA."""
+def pick_device() -> torch.device:
+    """The trainer's device on this rank: the current CUDA device, which the rank's placement chose
+    (`cluster.placement.apply_placement`), with TF32 on for fp32 matmuls and convolutions; or the CPU
+    without CUDA. Single-rank tests build their models and inputs on it (tests/train_device.py)."""
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
