@@ -7,8 +7,9 @@
 #      measured in the same run, peak memory) and the gpu-marked kernel tests (pytest_kernel.txt), among them the
 #      trainer head's kernel path on a padded vocabulary shard (tests/test_train_lm_head.py).
 #   2. trainer/: the trainer on CUDA (one rank, NCCL): the trainer, conversion, precision and attention tests
-#      (pytest_trainer.txt), and scripts/gpu_train_memory.py (train_memory.json: peak memory and step time of a
-#      Qwen2.5-1.5B-shaped model per attention and recomputation setting, bf16).
+#      (pytest_trainer.txt; they build their inputs on the trainer's device and take float32 tolerances that
+#      widen under TF32 from tests/train_device.py), and scripts/gpu_train_memory.py (train_memory.json: peak
+#      memory and step time of a Qwen2.5-1.5B-shaped model per attention and recomputation setting, bf16).
 #   3. run3/: a 3-step `launch.py run` of the embedded default (configs/local.toml, household games prepared
 #      first) with the trainer and a vLLM rollout rank on GPU 0 (cluster.share_gpus, vLLM at 45% of the
 #      GPU), no evaluation rounds; its summary.json shows the weights published and loaded 3 times.

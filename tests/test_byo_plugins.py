@@ -20,7 +20,7 @@ from rollart_hpc.reward.main import make_scorer
 from rollart_hpc.tasks.build import family_specs, heldout_tasks, own_family_rewards, run_tasks
 from rollart_hpc.tasks.checks import check_own_code
 from rollart_hpc.tasks.demos import run_oracle
-from rollart_hpc.tasks.families.dataset import DatasetFamily, read_rows
+from rollart_hpc.tasks.families.dataset import DatasetError, DatasetFamily, read_rows
 from rollart_hpc.tasks.plugins import PluginError, load_object
 from rollart_hpc.tasks.registry import BUILTIN_FAMILIES, FamilySpec
 from rollart_hpc.tasks.rewards import ENV_WON, RewardInput
@@ -152,17 +152,28 @@ def test_a_family_named_otherwise_or_with_foreign_tasks_is_refused(tmp_path):
         ),
     ],
 )
-def test_config_errors_name_the_dotted_key(envs, message):
-    if "pyarrow" in message and _has_pyarrow():
-        pytest.skip("pyarrow is installed: .parquet files are read")
+def test_config_errors_name_the_dotted_key(envs, message, monkeypatch):
+    if "pyarrow" in message:  # pyarrow is a dependency: an environment without it, as find_spec sees it
+        _without_pyarrow(monkeypatch)
     with pytest.raises(UsageError, match=message):
         build(Config, {"envs": envs})
 
 
-def _has_pyarrow() -> bool:
+def _without_pyarrow(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    return importlib.util.find_spec("pyarrow") is not None
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "pyarrow" else real(name, *a)
+    )
+
+
+def test_parquet_datasets_pass_the_config_check_with_pyarrow(monkeypatch):
+    config = build(Config, {"envs": {"families": ["d"], "datasets": [{"name": "d", "path": "x.parquet"}]}})
+    assert config.envs.datasets[0].path == "x.parquet"
+    _without_pyarrow(monkeypatch)
+    with pytest.raises(UsageError, match=r"needs the pyarrow package, which is not installed$"):
+        build(Config, {"envs": {"families": ["d"], "datasets": [{"name": "d", "path": "x.parquet"}]}})
 
 
 def test_cross_section_checks_of_reward_functions_and_python_path():
@@ -238,6 +249,99 @@ def test_dataset_rows_count_and_name_the_malformed_ones(tmp_path):
     split = read_rows(str(path), "q", "a", "s")
     assert [(r.number, r.heldout) for r in split.rows] == [(3, True)]
     assert "row 1: 's' is None, not 'train', 'test' or 'heldout'" in split.summary("mine")
+
+
+def _parquet(path: Path, columns: dict[str, tuple[list, str]]) -> Path:
+    """A parquet file of typed columns: name -> (values, arrow type name)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    types = {"string": pa.string(), "int64": pa.int64(), "float64": pa.float64(), "bool": pa.bool_()}
+    arrays = {n: pa.array(v, type=types.get(t) or pa.list_(pa.int64())) for n, (v, t) in columns.items()}
+    pq.write_table(pa.table(arrays), path)
+    return path
+
+
+def test_parquet_rows_load_as_the_same_jsonl_rows_with_the_malformed_ones_named(tmp_path):
+    """The same rows as a .parquet file and as .jsonl: the same tasks, the same malformed rows and reasons
+    (a null is a missing field), the same summary line; the family's task ids are the row numbers."""
+    q = ["2+2?", None, "capital of France?", "", "  ", "x?", "y?", "z?"]
+    a = ["4", "1", "Paris", "1", "2", None, " ", "7"]
+    sp = ["train", "train", "test", "train", "train", "train", "train", "dev"]
+    pq_path = _parquet(tmp_path / "t.parquet", {"q": (q, "string"), "a": (a, "string"), "s": (sp, "string")})
+    records = [{"q": x, "a": y, "s": z} for x, y, z in zip(q, a, sp, strict=True)]
+    jsonl = _write(tmp_path / "t.jsonl", [json.dumps(r) for r in records])
+    for split in ("", "s"):
+        got, want = read_rows(str(pq_path), "q", "a", split), read_rows(str(jsonl), "q", "a", split)
+        assert got == want and got.summary("mine") == want.summary("mine")
+    rows = read_rows(str(pq_path), "q", "a", "s")
+    assert [(r.number, r.heldout) for r in rows.rows] == [(1, False), (3, True)]
+    assert [n for n, _ in rows.malformed] == [2, 4, 5, 6, 7, 8]
+    assert rows.summary("mine").startswith(
+        "dataset mine: 2 tasks (1 train, 1 held-out), 6 malformed rows skipped (row 2: no text under 'q'"
+    )
+    assert "row 6: no number or text under 'a'" in rows.summary("mine")
+    family = DatasetFamily("mine", str(pq_path), "q", "a", "s")
+    assert [t.id for t in family.tasks()] == ["mine/1"]
+    assert [t.prompt for t in family.heldout_tasks(5)] == ["capital of France?"]
+
+
+def test_parquet_columns_of_the_wrong_type_are_malformed_rows(tmp_path):
+    """Numbers are answers (an int64 or float64 column, nulls missing); a bool or list answer column, or a
+    prompt column that is not text, makes every row malformed: a file with no good row is an error."""
+    prompts = (["a?", "b?", "c?"], "string")
+    numbers = _parquet(tmp_path / "n.parquet", {"q": prompts, "a": ([4, None, 7], "int64")})
+    rows = read_rows(str(numbers), "q", "a")
+    assert [(r.number, r.answer) for r in rows.rows] == [(1, "4"), (3, "7")]
+    assert rows.malformed == ((2, "no number or text under 'a'"),)
+    floats = _parquet(tmp_path / "f.parquet", {"q": prompts, "a": ([2.5, 1.0, None], "float64")})
+    assert [r.answer for r in read_rows(str(floats), "q", "a").rows] == ["2.5", "1.0"]
+    for name, columns, reason in [
+        ("bool", {"q": prompts, "a": ([True, False, True], "bool")}, "no number or text under 'a'"),
+        ("list", {"q": prompts, "a": ([[1], [2], []], "list")}, "no number or text under 'a'"),
+        ("int", {"q": ([1, 2, 3], "int64"), "a": (["1", "2", "3"], "string")}, "no text under 'q'"),
+        ("absent", {"prompt": prompts, "a": (["1", "2", "3"], "string")}, "no text under 'q'"),
+    ]:
+        error = rf"holds no good row \(3 malformed; row 1: {reason}\)"
+        with pytest.raises(DatasetError, match=error):
+            read_rows(str(_parquet(tmp_path / f"{name}.parquet", columns)), "q", "a")
+        twin = [
+            json.dumps(dict(zip(columns, r, strict=True)))
+            for r in zip(*(v for v, _ in columns.values()), strict=True)
+        ]
+        with pytest.raises(DatasetError, match=error):  # the same rows as JSONL: the same error
+            read_rows(str(_write(tmp_path / f"{name}.jsonl", twin)), "q", "a")
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not a parquet file at all")
+    with pytest.raises(DatasetError, match=r"cannot read .*broken\.parquet: .*[Pp]arquet"):
+        read_rows(str(broken), "q", "a")
+
+
+def test_parquet_dataset_config_loads_the_same_tasks_as_its_jsonl_twin(tmp_path):
+    """A run config naming a .parquet file: the config check's summary and the run's tasks equal those of
+    the same rows as .jsonl (the example's rows that are JSON objects, answers as text)."""
+    records = []
+    for line in (JSONL.parent / "tasks.jsonl").read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    fields = ("question", "answer", "split")
+    columns = {f: ([None if r.get(f) is None else str(r[f]) for r in records], "string") for f in fields}
+    _parquet(tmp_path / "tasks.parquet", columns)
+    _write(
+        tmp_path / "tasks.jsonl",
+        [json.dumps({f: columns[f][0][i] for f in fields}) for i in range(len(records))],
+    )
+    summaries, tasks = [], []
+    for suffix in ("parquet", "jsonl"):
+        dataset = f"{{name='trivia', path='{tmp_path / ('tasks.' + suffix)}', prompt_field='question', split_field='split'}}"
+        config = load_config(JSONL, [f"envs.datasets=[{dataset}]"])
+        summaries.append(_check(config))
+        tasks.append([(t.id, t.prompt) for t in run_tasks(config.envs)])
+    assert summaries[0] == summaries[1] and tasks[0] == tasks[1]
+    assert summaries[0][0].startswith("dataset trivia: 18 tasks (14 train, 4 held-out), 1 malformed row")
+    assert len(tasks[0]) == 14
 
 
 def test_dataset_family_checks_answers_with_the_calc_math_checker(tmp_path):

@@ -1,4 +1,5 @@
-"""Core attention and activation recomputation of the trainer's GPTModel, on one gloo rank (CPU, fp32).
+"""Core attention and activation recomputation of the trainer's GPTModel, on one rank on the trainer's
+device (tests/train_device.py: the CPU with gloo, or CUDA with NCCL and TF32 tolerances), fp32.
 
 `sdpa` against Megatron's unfused attention: the loss and every parameter gradient agree (GQA, bias,
 right-padded rows of unequal lengths, an explicit mask, packed sequences); each recompute mode gives the
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from train_device import BACKEND, DEVICE, assert_close, tol
 
 from rollart_hpc.models.config import ModelConfig
 from rollart_hpc.train.batch import from_sequences, to_padded_rows
@@ -30,12 +32,14 @@ def weights() -> Iterator[dict[str, torch.Tensor]]:
 
     from rollart_hpc.train.model import build_gpt, ensure_model_parallel
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port
     ensure_model_parallel(seed=0)
     gen = torch.Generator().manual_seed(1)
-    state = build_gpt(CFG, torch.device("cpu"), attention="unfused").state_dict()
+    state = build_gpt(CFG, DEVICE, attention="unfused").state_dict()
     yield {
-        k: torch.randn(v.shape, generator=gen) * 0.1 + (1.0 if k.endswith("layernorm.weight") else 0.0)
+        k: (torch.randn(v.shape, generator=gen) * 0.1 + (1.0 if k.endswith("layernorm.weight") else 0.0)).to(
+            DEVICE
+        )
         for k, v in state.items()
         if not k.endswith("._extra_state")
     }
@@ -46,7 +50,7 @@ def weights() -> Iterator[dict[str, torch.Tensor]]:
 def _model(weights: dict[str, torch.Tensor], attention: str, recompute: str = "none") -> Any:
     from rollart_hpc.train.model import build_gpt, load_megatron_weights
 
-    model = build_gpt(CFG, torch.device("cpu"), attention=attention, recompute=recompute)
+    model = build_gpt(CFG, DEVICE, attention=attention, recompute=recompute)
     load_megatron_weights(model, weights)
     return model.train()
 
@@ -63,9 +67,10 @@ def _rows() -> Any:
 
 def _loss_and_grads(model: Any) -> tuple[float, dict[str, torch.Tensor]]:
     rows = _rows()
-    logits = model(rows.input_ids, None, None)  # [b, s, V]
-    logp = torch.log_softmax(logits.float(), -1).gather(-1, rows.targets.unsqueeze(-1)).squeeze(-1)
-    loss = -(logp * rows.target_valid).sum() / rows.target_valid.sum()
+    ids, targets, valid = (t.to(DEVICE) for t in (rows.input_ids, rows.targets, rows.target_valid))
+    logits = model(ids, None, None)  # [b, s, V]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    loss = -(logp * valid).sum() / valid.sum()
     loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -99,6 +104,8 @@ def test_sdpa_matches_the_unfused_attention_in_loss_and_every_gradient(
     from rollart_hpc.train import attention
     from rollart_hpc.train.attention import SdpaAttention
 
+    if native_gqa and DEVICE.type == "cuda":
+        pytest.skip("on CUDA SDPA's fused kernels take grouped heads natively in bf16/fp16 only")
     monkeypatch.setattr(attention, "native_gqa", lambda query, mask: native_gqa)
 
     sdpa = _model(weights, "sdpa")
@@ -107,7 +114,7 @@ def test_sdpa_matches_the_unfused_attention_in_loss_and_every_gradient(
         isinstance(layer.self_attention.core_attention, SdpaAttention) for layer in sdpa.decoder.layers
     )
     assert not any(isinstance(m, SdpaAttention) for m in unfused.modules())
-    _assert_close(_loss_and_grads(sdpa), _loss_and_grads(unfused), 1e-5)
+    _assert_close(_loss_and_grads(sdpa), _loss_and_grads(unfused), tol(1e-5))
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "unfused"])
@@ -120,7 +127,7 @@ def test_recompute_gives_the_gradients_of_no_recompute(
     layers = list(model.decoder.layers)
     attention_calls = _count_calls([layer.self_attention.core_attention for layer in layers])
     mlp_calls = _count_calls([layer.mlp for layer in layers])
-    _assert_close(_loss_and_grads(model), ref, 1e-6)
+    _assert_close(_loss_and_grads(model), ref, tol(1e-6))
     # Forward and backward: the recomputed modules ran twice per layer, the others once.
     assert attention_calls[0] == 2 * len(layers)
     assert mlp_calls[0] == (2 if recompute == "full" else 1) * len(layers)
@@ -133,18 +140,19 @@ def _core(attention: str, weights: dict[str, torch.Tensor]) -> Any:
 def _qkv(s: int, b: int, requires_grad: bool = True) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
     heads = [CFG.num_heads, CFG.num_kv_heads, CFG.num_kv_heads]
-    return [torch.randn(s, b, n, CFG.head_dim, generator=gen).requires_grad_(requires_grad) for n in heads]
+    shapes = [(s, b, n, CFG.head_dim) for n in heads]
+    return [torch.randn(x, generator=gen).to(DEVICE).requires_grad_(requires_grad) for x in shapes]
 
 
 def _grads_of(out: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    weight = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    weight = torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape)
     return list(torch.autograd.grad((out * weight).sum(), inputs))
 
 
 def test_an_explicit_mask_is_applied_as_megatron_applies_it(weights: dict[str, torch.Tensor]) -> None:
     s, b = 9, 2
     mask = torch.rand(b, 1, s, s, generator=torch.Generator().manual_seed(4)) < 0.4
-    mask &= ~torch.eye(s, dtype=torch.bool)  # every query keeps at least one key
+    mask = (mask & ~torch.eye(s, dtype=torch.bool)).to(DEVICE)  # every query keeps at least one key
     outs = []
     for attention in ("sdpa", "unfused"):
         q, k, v = _qkv(s, b)
@@ -152,7 +160,7 @@ def test_an_explicit_mask_is_applied_as_megatron_applies_it(weights: dict[str, t
         assert out.shape == (s, b, CFG.num_heads * CFG.head_dim)
         outs.append([out.detach(), *_grads_of(out, [q, k, v])])
     for got, ref in zip(*outs, strict=True):
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_packed_sequences_attend_within_their_own_sequence(weights: dict[str, torch.Tensor]) -> None:
@@ -160,22 +168,22 @@ def test_packed_sequences_attend_within_their_own_sequence(weights: dict[str, to
 
     core = _core("sdpa", weights)
     lengths = [5, 11, 3]
-    cu = torch.tensor([0, 5, 16, 19], dtype=torch.int32)
+    cu = torch.tensor([0, 5, 16, 19], dtype=torch.int32, device=DEVICE)
     q, k, v = (t.squeeze(1) for t in _qkv(sum(lengths), 1, requires_grad=False))
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     packed = core(q, k, v, None, packed_seq_params=params)
     for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         alone = core(q[lo:hi, None], k[lo:hi, None], v[lo:hi, None], None)
-        torch.testing.assert_close(packed[lo:hi], alone[:, 0], rtol=1e-6, atol=1e-6)
+        assert_close(packed[lo:hi], alone[:, 0], rtol=1e-6, atol=1e-6)
 
 
 def test_unsupported_settings_are_refused(weights: dict[str, torch.Tensor]) -> None:
     core = _core("sdpa", weights)
     q, k, v = _qkv(4, 1, requires_grad=False)
     with pytest.raises(ValueError, match="attention bias"):
-        core(q, k, v, None, attention_bias=torch.zeros(1))
+        core(q, k, v, None, attention_bias=torch.zeros(1, device=DEVICE))
     with pytest.raises(TypeError, match="boolean"):
-        core(q, k, v, torch.zeros(1, 1, 4, 4))
+        core(q, k, v, torch.zeros(1, 1, 4, 4, device=DEVICE))
     with pytest.raises(ValueError, match="attention must be one of"):
         from rollart_hpc.train.attention import local_layer_spec
 

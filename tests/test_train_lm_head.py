@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from rollart_hpc.train.lm_head import head_logprobs
+from rollart_hpc.train.lm_head import head_logprobs, head_logprobs_entropy
 
 
 @pytest.mark.parametrize("padding", [0, 24], ids=["fused-kernel", "padded-head"])
@@ -100,6 +100,35 @@ def test_auto_picks_the_kernel_when_asked_and_torch_on_cpu(monkeypatch: pytest.M
     monkeypatch.setenv("ROLLART_KERNEL_IMPL", "triton")
     head_logprobs(hidden, weight, targets, 20, tp_size=1, timeout_s=5.0)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("padding", [0, 24], ids=["fused-kernel", "padded-head"])
+@pytest.mark.parametrize(
+    "impl",
+    ["torch", pytest.param("triton", marks=interpreted)],
+)
+def test_entropy_from_the_logprob_pass_is_the_exact_entropy_and_leaves_the_logprobs(
+    impl: str, padding: int
+) -> None:
+    """`head_logprobs_entropy`: the softmax entropy over the real rows (padding masked) from the same logit
+    chunks as the log-probs, detached; its log-probs and their gradients are `head_logprobs`' exactly."""
+    gen = torch.Generator().manual_seed(7)
+    tokens, hidden_size, vocab = 23, 32, 100
+    hidden = torch.randn(tokens, hidden_size, generator=gen)
+    weight = torch.randn(vocab + padding, hidden_size, generator=gen) * 0.3
+    weight[vocab:] = 50.0  # padding rows that would dominate the softmax unmasked
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    logits = hidden.double() @ weight.double()[:vocab].T
+    want = -(torch.softmax(logits, 1) * torch.log_softmax(logits, 1)).sum(1)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp, entropy = head_logprobs_entropy(h, w, targets, vocab, tp_size=1, timeout_s=5.0, impl=impl)
+    assert entropy.dtype == torch.float32 and not entropy.requires_grad
+    assert float((entropy.double() - want).abs().max()) < 1e-5
+    (lp * torch.linspace(-1, 1, tokens)).sum().backward()
+    lp_ref, gh_ref, gw_ref = _logprobs_and_grads(impl, hidden, weight, targets, vocab)
+    assert torch.equal(lp.detach(), lp_ref)
+    assert h.grad is not None and w.grad is not None
+    assert torch.equal(h.grad, gh_ref) and torch.equal(w.grad, gw_ref)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,8 @@ Vocabulary 100 padded to 128, split in two shards of 64 rows: rank 0 holds rows 
 which 100-127 are padding (masked inside the kernel). Each rank computes its shard's partial max, sum-exp and
 target logit, combined over the TP group; its backward gives this shard's d weight and its part of d hidden,
 summed over TP by Megatron's copy-to-TP region, or (sequence parallel) by the reduce-scatter of the
-sequence-parallel gather's backward. fp32: 1e-5 relative in log-probs and gradients; bf16: 2e-2.
+sequence-parallel gather's backward. The detached entropy of the same pass (`head_logprobs_entropy`) is the
+whole head's. fp32: 1e-5 relative in log-probs and gradients; bf16: 2e-2.
 
 There is no CUDA version of this test: NCCL puts no two ranks of one communicator on one GPU, so it needs
 two GPUs (listed in scripts/gpu_check.sh's header among the checks one GPU cannot run). On one GPU the
@@ -48,7 +49,7 @@ def _worker(out: str, store: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from rollart_hpc.train.lm_head import head_logprobs
+    from rollart_hpc.train.lm_head import head_logprobs_entropy
     from rollart_hpc.train.megatron_compat import apply_cpu_patches
 
     apply_cpu_patches()  # the sequence-parallel gather allocates on torch.cuda.current_device()
@@ -72,12 +73,12 @@ def _worker(out: str, store: str) -> None:
                     hidden = tensor_parallel.gather_from_sequence_parallel_region(
                         leaf, tensor_parallel_output_grad=True
                     )
-                lp = head_logprobs(
+                lp, entropy = head_logprobs_entropy(
                     hidden, weight, targets, VOCAB, TP, 60.0, copy_to_tp=mode == "copy_to_tp", impl=impl
                 )
                 (lp * upstream).sum().backward()
                 assert leaf.grad is not None and weight.grad is not None
-                result[f"{name}/{mode}/{impl}"] = (lp.detach(), leaf.grad, weight.grad)
+                result[f"{name}/{mode}/{impl}"] = (lp.detach(), leaf.grad, weight.grad, entropy)
     torch.save(result, Path(out) / f"result-{rank}.pt")
     dist.destroy_process_group()
 
@@ -86,16 +87,17 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
 
 
-def _reference(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64 log-probs, d hidden and d weight of the whole (unsharded) head on the same values."""
+def _reference(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 log-probs, d hidden, d weight and entropy of the whole (unsharded) head on the same values."""
     hidden_all, weight_all, targets, upstream = _data(dtype)
     h = hidden_all.double().requires_grad_(True)
     w = weight_all.double().requires_grad_(True)
-    logits = (h @ w.T).index_fill(1, torch.arange(VOCAB, PADDED), float("-inf"))
+    logits = (h @ w.T)[:, :VOCAB]
     lp = torch.log_softmax(logits, dim=1).gather(1, targets[:, None])[:, 0]
     (lp * upstream.double()).sum().backward()
     assert h.grad is not None and w.grad is not None
-    return lp.detach(), h.grad, w.grad
+    entropy = -(torch.softmax(logits, 1) * torch.log_softmax(logits, 1)).sum(1)
+    return lp.detach(), h.grad, w.grad, entropy.detach()
 
 
 def test_triton_kernel_at_tp2_matches_the_torch_path_and_the_whole_head(tmp_path: Path) -> None:
@@ -110,15 +112,17 @@ def test_triton_kernel_at_tp2_matches_the_torch_path_and_the_whole_head(tmp_path
     ranks = [torch.load(tmp_path / f"result-{r}.pt") for r in range(TP)]
     shard, rows = PADDED // TP, TOKENS // TP
     for name, (dtype, tol) in DTYPES.items():
-        ref_lp, ref_gh, ref_gw = _reference(dtype)
+        ref_lp, ref_gh, ref_gw, ref_entropy = _reference(dtype)
         # float64 of the same rounded values: the fp32 paths within their own tolerance, bf16 gradients
         # within bf16 rounding of d logits and of the result
         ref_tol = 1e-5 if dtype == torch.float32 else 2e-2
         for mode in MODES:
             for rank, result in enumerate(ranks):
-                lp_k, gh_k, gw_k = result[f"{name}/{mode}/triton"]
-                lp_t, gh_t, gw_t = result[f"{name}/{mode}/torch"]
+                lp_k, gh_k, gw_k, ent_k = result[f"{name}/{mode}/triton"]
+                lp_t, gh_t, gw_t, ent_t = result[f"{name}/{mode}/torch"]
                 where = f"{name} {mode} rank {rank}"
+                # the detached entropy of the same pass: the whole head's, every token, on every rank
+                assert _rel(ent_k, ref_entropy) < ref_tol and _rel(ent_t, ref_entropy) < ref_tol, where
                 assert lp_k.dtype == torch.float32 and gh_k.dtype == gw_k.dtype == dtype, where
                 assert _rel(lp_k, lp_t) < tol, where
                 assert _rel(gh_k, gh_t) < tol and _rel(gw_k, gw_t) < tol, where

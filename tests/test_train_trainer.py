@@ -1,4 +1,7 @@
-"""Trainer on one gloo rank: log-probs, SFT, RL step direction, micro-batch invariance, checkpoints, HF export."""
+"""Trainer on one rank: log-probs, SFT, RL step direction, micro-batch invariance, checkpoints, HF export.
+
+On the trainer's device (gloo on the CPU, NCCL on CUDA: tests/train_device.py); float32 tolerances from
+`train_device.tol` / `assert_close`, which widen them where CUDA runs fp32 matmuls in TF32."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_device import BACKEND, DEVICE, assert_close, tol
 
 from rollart_hpc.algo.loss import LossConfig, packed_policy_loss
 from rollart_hpc.train import parallel
@@ -16,7 +20,7 @@ from rollart_hpc.train.trainer import Trainer
 
 # Against transformers on the CPU: the trainer on CUDA runs fp32 matmuls in TF32 (10-bit mantissa), which
 # moves a log-prob by a few 1e-4 (3e-4 measured on an H200); on the CPU both are fp32.
-HF_LOGPROB_ATOL = 2e-3 if torch.cuda.is_available() else 1e-5
+HF_LOGPROB_ATOL = tol(1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +32,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
     # One rank, no port. NCCL where the trainer runs on CUDA: Megatron's distributed optimizer gathers its
     # parameters with a coalesced all-gather that gloo does not implement for CUDA tensors (a segfault).
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=1)
     folder = make_tiny_model(
         tmp_path_factory.mktemp("tiny") / "llama", family="llama", hidden_size=128, num_layers=2,
         num_heads=2, num_kv_heads=1, tie_word_embeddings=True,
@@ -123,7 +126,7 @@ def test_rl_step_logs_the_action_token_entropy_of_transformers_logits(model_dir:
     metrics = trainer.rl_step(
         _with_behaviour(batch, trainer.logprobs(batch)), batch.num_action_tokens, LossConfig()
     )
-    assert metrics["entropy"] == pytest.approx(expected, rel=1e-5, abs=HF_LOGPROB_ATOL / 10)
+    assert metrics["entropy"] == pytest.approx(expected, rel=tol(1e-5), abs=HF_LOGPROB_ATOL / 10)
 
 
 def test_kl_to_the_reference_is_zero_while_the_policy_equals_it(model_dir: Path) -> None:
@@ -136,7 +139,7 @@ def test_kl_to_the_reference_is_zero_while_the_policy_equals_it(model_dir: Path)
     m0 = plain.rl_step(batch, batch.num_action_tokens, LossConfig())
     m1 = with_kl.rl_step(batch, batch.num_action_tokens, LossConfig(kl_coef=0.1, kl_estimator="k3"))
     assert m1["kl"] == 0.0 and "kl" not in m0
-    torch.testing.assert_close(with_kl.grad_buffer, plain.grad_buffer, rtol=1e-6, atol=1e-9)
+    assert_close(with_kl.grad_buffer, plain.grad_buffer, rtol=1e-6, atol=1e-9)
     m2 = with_kl.rl_step(batch, batch.num_action_tokens, LossConfig(kl_coef=0.1, kl_estimator="k3"))
     assert m2["kl"] > 0.0
 
@@ -163,7 +166,7 @@ def test_rl_step_raises_logprobs_of_positive_advantage_sequences(model_dir: Path
     # The loss is -sum(A * ratio) / global action tokens with ratio 1 and weight 1 at the step's start.
     seq0_actions = int(batch.action_mask[: int(batch.cu_seqlens[1])].sum())
     assert metrics["loss"] == pytest.approx(-seq0_actions / num_actions, rel=1e-6)
-    assert metrics["is_weight"] == pytest.approx(1.0, rel=1e-6) and metrics["approx_kl"] == 0.0
+    assert metrics["is_weight"] == pytest.approx(1.0, rel=tol(1e-6)) and metrics["approx_kl"] == 0.0
     assert metrics["num_action_tokens"] == num_actions and metrics["grad_norm"] > 0
     with pytest.raises(ValueError, match="num_global_action_tokens"):
         trainer.rl_step(batch, num_actions - 1, LossConfig())
@@ -194,7 +197,7 @@ def test_ppo_epochs_and_minibatches_update_against_the_proximal_policy(model_dir
     again._policy_update(first_half, first_half.num_action_tokens, LossConfig(), again.logprobs(first_half))
     # `one` clipped its gradient inside the optimizer step; `again` skipped the step: compare directions.
     unit = [g / torch.linalg.vector_norm(g) for g in (again.grad_buffer, one.grad_buffer)]
-    torch.testing.assert_close(unit[0], unit[1], rtol=1e-5, atol=1e-7)
+    assert_close(unit[0], unit[1], rtol=1e-5, atol=1e-7)
 
 
 def test_more_minibatches_than_sequences_skip_the_empty_ones(model_dir: Path) -> None:
@@ -221,9 +224,9 @@ def test_gradients_do_not_depend_on_the_micro_batch_split(model_dir: Path, cfg: 
     m1 = whole.rl_step(batch, batch.num_action_tokens, cfg)
     m2 = split.rl_step(batch, batch.num_action_tokens, cfg)
     assert float(whole.grad_buffer.abs().max()) > 0
-    torch.testing.assert_close(split.grad_buffer, whole.grad_buffer, rtol=1e-5, atol=1e-7)
-    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5)
-    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+    assert_close(split.grad_buffer, whole.grad_buffer, rtol=1e-5, atol=1e-7)
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=tol(1e-5))
+    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=tol(1e-5))
 
 
 @pytest.mark.parametrize(
@@ -257,10 +260,10 @@ def test_rl_step_reports_the_algorithm_library_loss_and_diagnostics(model_dir: P
         cfg,
         batch.num_sequences,
     )
-    assert metrics["loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert metrics["loss"] == pytest.approx(float(loss), rel=tol(1e-5))
     assert float(ref.is_capped_fraction + ref.is_rejected_fraction) > 0 and float(ref.is_weight) > 0
     for name, value in ref.summed().items():
-        assert metrics[name] == pytest.approx(float(value), rel=1e-5, abs=1e-7), name
+        assert metrics[name] == pytest.approx(float(value), rel=tol(1e-5), abs=1e-7), name
     assert set(metrics) == {
         *ref.summed(),
         "loss",
@@ -273,7 +276,7 @@ def test_rl_step_reports_the_algorithm_library_loss_and_diagnostics(model_dir: P
         "entropy",
     }
     gap = float(shift[batch.action_mask].abs().max())
-    assert metrics["max_abs_behaviour_log_ratio"] == pytest.approx(gap, rel=1e-5)
+    assert metrics["max_abs_behaviour_log_ratio"] == pytest.approx(gap, rel=tol(1e-5))
 
 
 def _params(trainer: Trainer) -> list[torch.Tensor]:
@@ -322,8 +325,9 @@ def test_hf_export_round_trips_through_transformers(model_dir: Path, tmp_path: P
 
     trainer = _trainer(model_dir)
     original = load_weights(model_dir)
-    exported = trainer.hf_state_dict()
-    assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
+    exported = trainer.hf_state_dict()  # on the trainer's device
+    assert set(exported) == set(original)
+    assert all(torch.equal(exported[k].cpu(), original[k]) for k in original)
     batch = _batch(trainer.config.vocab_size, [15, 21], [0.0, 0.0])
     trainer.sft_step(batch)
     out = trainer.save_hf(tmp_path / "hf")
@@ -350,7 +354,7 @@ def test_a_collective_that_times_out_names_the_peers(model_dir: Path) -> None:
         PeerTimeoutError, match=r"trainer rank 0: gradient all_reduce did not complete within 2s"
     ):
         comm._wait(SilentWork(), "gradient all_reduce", 2.0)  # type: ignore[arg-type]
-    assert float(comm.all_reduce_sum(torch.ones(3), "sum", 5.0).sum()) == 3.0
+    assert float(comm.all_reduce_sum(torch.ones(3, device=DEVICE), "sum", 5.0).sum()) == 3.0
 
 
 def test_reset_optimizer_makes_the_next_step_a_fresh_adamw_step(model_dir: Path) -> None:
@@ -408,7 +412,7 @@ def test_fused_loss_equals_eager_on_packed_batches_with_observation_tokens(
         batch.tokens, batch.cu_seqlens, mask, batch.behaviour_logprobs, batch.advantages * mask
     )
     lp_fused, lp_eager = fused.logprobs(batch), eager.logprobs(batch)
-    torch.testing.assert_close(lp_fused, lp_eager, rtol=1e-5, atol=1e-5)
+    assert_close(lp_fused, lp_eager, rtol=1e-5, atol=1e-5)
     batch = _with_behaviour(batch, lp_eager - 0.2)
     assert len(micro_batch_groups(batch, 40)) >= 3
     m_fused = fused.rl_step(batch, batch.num_action_tokens, cfg)
@@ -421,11 +425,11 @@ def test_fused_loss_equals_eager_on_packed_batches_with_observation_tokens(
         "entropy",
         *(("kl",) if cfg.kl_coef else ()),
     ):
-        assert m_fused[name] == pytest.approx(m_eager[name], rel=1e-5, abs=1e-8), name
+        assert m_fused[name] == pytest.approx(m_eager[name], rel=tol(1e-5), abs=1e-8), name
     g_fused, g_eager = fused.grad_buffer, eager.grad_buffer
     assert float(g_eager.abs().max()) > 0
-    assert float((g_fused - g_eager).norm() / g_eager.norm()) < 1e-5
-    torch.testing.assert_close(g_fused, g_eager, rtol=1e-5, atol=1e-7)
+    assert float((g_fused - g_eager).norm() / g_eager.norm()) < tol(1e-5)
+    assert_close(g_fused, g_eager, rtol=1e-5, atol=1e-7)
 
 
 def _main_params(trainer: Trainer) -> list[torch.Tensor]:
@@ -498,13 +502,14 @@ def test_rl_logprobs_are_taken_at_the_sampling_temperature(model_dir: Path, impl
         assert float((ours[lo + 1 : hi] - ref).abs().max()) < HF_LOGPROB_ATOL
     assert float((ours - trainer(1.0).logprobs(batch)).abs().max()) > 1e-2
     sampled = _with_behaviour(batch, ours)
-    assert hot.rl_step(sampled, batch.num_action_tokens, LossConfig())["max_abs_behaviour_log_ratio"] < 1e-5
+    gap = hot.rl_step(sampled, batch.num_action_tokens, LossConfig())["max_abs_behaviour_log_ratio"]
+    assert gap < tol(1e-5)
     epochs = trainer(0.7, ppo_epochs=2).rl_step(sampled, batch.num_action_tokens, LossConfig())
-    assert epochs["num_updates"] == 2 and epochs["max_abs_behaviour_log_ratio"] < 1e-5
+    assert epochs["num_updates"] == 2 and epochs["max_abs_behaviour_log_ratio"] < tol(1e-5)
     off = trainer(1.0).rl_step(sampled, batch.num_action_tokens, LossConfig())
     assert off["max_abs_behaviour_log_ratio"] > 1e-2
     nll = -trainer(1.0).logprobs(batch)[batch.action_mask].mean()
-    assert trainer(0.7).sft_step(batch)["loss"] == pytest.approx(float(nll), rel=1e-5)
+    assert trainer(0.7).sft_step(batch)["loss"] == pytest.approx(float(nll), rel=tol(1e-5))
 
 
 def test_attention_and_recompute_settings_give_the_same_rl_step(model_dir: Path) -> None:
@@ -524,8 +529,8 @@ def test_attention_and_recompute_settings_give_the_same_rl_step(model_dir: Path)
     for attention, recompute in (("sdpa", "none"), ("sdpa", "selective"), ("sdpa", "full")):
         other = trainer(attention, recompute)
         metrics = other.rl_step(batch, batch.num_action_tokens, LossConfig())
-        assert metrics["loss"] == pytest.approx(m_ref["loss"], rel=1e-5), (attention, recompute)
-        torch.testing.assert_close(other.grad_buffer, ref.grad_buffer, rtol=1e-5, atol=1e-7)
+        assert metrics["loss"] == pytest.approx(m_ref["loss"], rel=tol(1e-5)), (attention, recompute)
+        assert_close(other.grad_buffer, ref.grad_buffer, rtol=1e-5, atol=1e-7)
 
 
 class _PackingSender:

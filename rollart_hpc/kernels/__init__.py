@@ -19,6 +19,7 @@ EXPORTS = {
     "fused_policy_loss": "policy_loss",
     "fused_token_terms": "policy_loss",
     "linear_logprob": "policy_loss",
+    "linear_logprob_entropy": "policy_loss",
     "resolve_impl": "policy_loss",
     "KernelLossConfig": "common",
     "KernelTuning": "common",

@@ -58,9 +58,9 @@ def token_stats(
         lse[sl] = torch.logsumexp(logits, dim=1)
         target_logit = logits.gather(1, targets[sl].long().unsqueeze(1)).squeeze(1)
         logp[sl] = (target_logit - lse[sl]).clamp(max=0.0)
-        if entropy is not None:
-            probs = torch.softmax(logits, dim=1)
-            entropy[sl] = lse[sl] - (probs * logits).sum(dim=1)
+        if entropy is not None:  # - sum p log p, from the same chunk of logits
+            log_p = logits - lse[sl].unsqueeze(1)
+            entropy[sl] = -(torch.exp(log_p) * log_p).sum(dim=1)
     return logp, lse, entropy
 
 

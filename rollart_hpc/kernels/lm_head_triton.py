@@ -15,8 +15,8 @@ Tokens with g = 0 (masked, clipped or dual-clipped) are dropped before the backw
 
 Vocabulary-parallel, padded heads (`train.lm_head`): `shard_partials` runs launch 1 alone over the first
 `num_real` rows of a head shard (the columns at or beyond `num_real` are masked to -inf inside the kernel, so
-padding rows are never read) and merges its splits into this shard's max, sum-exp and target logit, which the
-caller combines over the tensor-parallel group; `grads(..., num_real=...)` recomputes only those rows (the
+padding rows are never read) and merges its splits into this shard's max, sum-exp, target logit and (when
+asked) the entropy of its softmax over the shard, which the caller combines over the tensor-parallel group; `grads(..., num_real=...)` recomputes only those rows (the
 padding rows' d weight stays 0). A target outside the shard is passed as -1: it matches no column.
 
 Pointer arithmetic assumes contiguous row-major tensors; callers pass `.contiguous()` tensors. Under
@@ -389,23 +389,31 @@ def shard_partials(
     targets: torch.Tensor,
     num_real: int,
     tuning: KernelTuning,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per token [T] (fp32): max logit m, sum of exp(logit - m) and the target logit (0 where the target is
-    not in [0, num_real), e.g. -1) over the first `num_real` rows of this head shard; the rest is padding.
-    A shard of padding only gives m = -inf, sum 0."""
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per token [T] (fp32): max logit m, sum of exp(logit - m), the target logit (0 where the target is
+    not in [0, num_real), e.g. -1) and, `with_entropy`, the entropy of the softmax over this shard alone
+    (else None), over the first `num_real` rows of this head shard; the rest is padding. A shard of
+    padding only gives m = -inf, sum 0, entropy 0."""
     check_shapes(hidden, weight, targets)
     if not 0 <= num_real <= weight.shape[0]:
         raise ValueError(f"num_real must lie in [0, {weight.shape[0]}], got {num_real}")
     num_tokens = hidden.shape[0]
     if num_real == 0 or num_tokens == 0:
         top = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=hidden.device)
-        return top, torch.zeros_like(top), torch.zeros_like(top)
+        zeros = torch.zeros_like(top)
+        return top, zeros, zeros.clone(), zeros.clone() if with_entropy else None
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
-    parts, _ = _launch_partials(hidden, weight, targets, False, tuning, num_real)
-    split_max, split_sum, _, split_target = parts
+    parts, _ = _launch_partials(hidden, weight, targets, with_entropy, tuning, num_real)
+    split_max, split_sum, split_centred, split_target = parts
     top = split_max.amax(0)
-    total = (split_sum * torch.exp(split_max - top)).sum(0)  # every split holds >= 1 column: finite maxima
-    return top, total, split_target.sum(0)
+    scale = torch.exp(split_max - top)  # every split holds >= 1 column: finite maxima
+    total = (split_sum * scale).sum(0)
+    entropy = None
+    if with_entropy:  # as `_merge_splits`: sum exp(x - top) (x - top) over the shard, then log s - e / s
+        centred = (scale * (split_centred + split_sum * (split_max - top))).sum(0)
+        entropy = torch.log(total) - centred / total
+    return top, total, split_target.sum(0), entropy
 
 
 def _chunks(tuning: KernelTuning, num_tokens: int, num_vocab: int) -> tuple[int, int]:

@@ -90,22 +90,25 @@ class _LinearLogprob(torch.autograd.Function):
         targets: torch.Tensor,
         ops: ModuleType,
         tuning: KernelTuning,
-    ) -> torch.Tensor:
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = hidden.shape[0]
         zeros = torch.zeros(num_tokens, dtype=torch.float32, device=hidden.device)
         inputs = LossInputs(zeros.to(torch.bool), zeros, zeros, zeros)
-        out = ops.forward(hidden, weight, targets, inputs, KernelLossConfig(), False, tuning)
+        out = ops.forward(hidden, weight, targets, inputs, KernelLossConfig(), with_entropy, tuning)
         ctx.save_for_backward(hidden, weight, targets, out.lse)
         ctx.ops, ctx.tuning = ops, tuning
-        return out.logprobs
+        entropy = out.entropy if out.entropy is not None else out.logprobs.new_empty(0)
+        ctx.mark_non_differentiable(entropy)
+        return out.logprobs, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_logp: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad_logp: torch.Tensor, _grad_entropy: Any) -> tuple[Any, ...]:
         hidden, weight, targets, lse = ctx.saved_tensors
         grad_hidden, grad_weight = ctx.ops.grads(
             hidden, weight, targets, lse, grad_logp.to(lse.dtype), ctx.tuning
         )
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def linear_logprob(
@@ -117,8 +120,23 @@ def linear_logprob(
 ) -> torch.Tensor:
     """Per-token log p(target) of the LM head, differentiable w.r.t. hidden and weight, never [T, V]."""
     ops = get_ops(impl, hidden.device)
-    out: torch.Tensor = _LinearLogprob.apply(hidden, weight, targets, ops, tuning or KernelTuning())
+    out: torch.Tensor = _LinearLogprob.apply(hidden, weight, targets, ops, tuning or KernelTuning(), False)[0]
     return out
+
+
+def linear_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    impl: str = "auto",
+    tuning: KernelTuning | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear_logprob` and the per-token softmax entropy [T] (detached), both from the same logit tiles
+    or chunks: the entropy costs no second pass over the head, but carries no gradient (for that:
+    `entropy.head_entropy`)."""
+    ops = get_ops(impl, hidden.device)
+    logp, entropy = _LinearLogprob.apply(hidden, weight, targets, ops, tuning or KernelTuning(), True)
+    return logp, entropy
 
 
 class FusedTokens(NamedTuple):

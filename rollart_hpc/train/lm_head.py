@@ -13,6 +13,11 @@ chunk of tokens at a time. Implementation (`impl`, as `kernels.resolve_impl`): "
 ROLLART_KERNEL_IMPL, then takes Triton on CUDA and torch on CPU (the Triton interpreter only in tests). The hidden states must enter through Megatron's `copy_to_tensor_model_parallel_region`
 (done here), whose backward sums the partial hidden-state gradients over the TP group.
 
+Entropy: `head_logprobs_entropy` also returns the softmax entropy per token, detached, from the same logit
+tiles or chunks (each shard's entropy, then under TP the entropy of the mixture of the shards' softmaxes,
+sum_r w_r (H_r - log w_r) with w_r = exp(lse_r - lse): one more all-reduce of [N]); the trainer logs it
+when the loss has no entropy term. `token_entropy` is the differentiable one (a pass of its own).
+
 Precision: bf16 hidden states and weights (`trainer.precision = "bf16"`) are multiplied with fp32
 accumulation on every path (the kernels' fp32 accumulators, the fp32 chunk logits here); the log-probs
 are fp32 and the gradients return in the inputs' dtype.
@@ -37,6 +42,9 @@ def _chunk(num_vocab: int) -> int:
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
+    """(log p(target) [N], the softmax entropy [N] when asked (detached; else empty)) over a
+    vocabulary-parallel, padded head; the backward is that of the log-probs."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
@@ -47,7 +55,8 @@ class _VocabParallelLogprob(torch.autograd.Function):
         group: Any,
         timeout_s: float,
         kernel: bool,
-    ) -> torch.Tensor:
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         rank, vocab = (dist.get_rank(group) if group is not None else 0), weight.shape[0]
         real = max(0, min(vocab, vocab_size - rank * vocab))  # this shard's rows that are not padding
         local = targets - rank * vocab
@@ -56,28 +65,40 @@ class _VocabParallelLogprob(torch.autograd.Function):
         if kernel:
             from rollart_hpc.kernels.lm_head_triton import shard_partials
 
-            top, total, tgt = shard_partials(hidden, weight, torch.where(owned, local, -1), real, _TUNING)
+            top, total, tgt, shard_entropy = shard_partials(
+                hidden, weight, torch.where(owned, local, -1), real, _TUNING, with_entropy
+            )
             lse = top + torch.log(total)  # -inf on a shard of padding only
         else:
-            lse, tgt = _torch_partials(hidden, weight, local, owned, real)
+            lse, tgt, shard_entropy = _torch_partials(hidden, weight, local, owned, real, with_entropy)
+        shard_lse = lse
         if group is not None:
             top = comm.all_reduce(lse.clone(), "vocab-parallel max", timeout_s, dist.ReduceOp.MAX, group)
             total = comm.all_reduce(torch.exp(lse - top), "vocab-parallel sum-exp", timeout_s, group=group)
             comm.all_reduce(tgt, "vocab-parallel target logit", timeout_s, group=group)
             lse = top + torch.log(total)
+        entropy = hidden.new_empty(0, dtype=torch.float32)
+        if shard_entropy is not None:
+            entropy = shard_entropy
+            if group is not None:  # a mixture of the shards' softmaxes with weights w = exp(lse_r - lse)
+                log_w = shard_lse - lse
+                w = torch.exp(log_w)
+                entropy = torch.where(w > 0, w * (shard_entropy - log_w), 0.0)
+                comm.all_reduce(entropy, "vocab-parallel entropy", timeout_s, group=group)
         ctx.save_for_backward(hidden, weight, local, owned, lse)
         ctx.real, ctx.kernel = real, kernel
-        return (tgt - lse).clamp(max=0.0)
+        ctx.mark_non_differentiable(entropy)
+        return (tgt - lse).clamp(max=0.0), entropy
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad: torch.Tensor, _grad_entropy: Any) -> tuple[Any, ...]:
         hidden, weight, local, owned, lse = ctx.saved_tensors
         if ctx.kernel:
             from rollart_hpc.kernels.lm_head_triton import grads
 
             targets = torch.where(owned, local, -1)
             grad_h, grad_w = grads(hidden, weight, targets, lse, grad.float(), _TUNING, ctx.real)
-            return grad_h, grad_w, None, None, None, None, None
+            return grad_h, grad_w, None, None, None, None, None, None
         w = weight.float()
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -91,15 +112,22 @@ class _VocabParallelLogprob(torch.autograd.Function):
             dlogits[rows, local[sl]] += torch.where(owned[sl], g[sl], 0.0)
             grad_hidden[sl] = dlogits @ w
             grad_weight += dlogits.T @ h
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None, None
 
 
 def _torch_partials(
-    hidden: torch.Tensor, weight: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, real: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This shard's log-sum-exp and target logit (0 where not owned) [N], fp32 logits a chunk at a time."""
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    local: torch.Tensor,
+    owned: torch.Tensor,
+    real: int,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """This shard's log-sum-exp, target logit (0 where not owned) and, `with_entropy`, the entropy of its
+    softmax over the shard (0 on a shard of padding only; else None) [N], fp32 logits a chunk at a time."""
     lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     tgt = torch.zeros_like(lse)
+    entropy = torch.empty_like(lse) if with_entropy else None
     w = weight.float()
     step = _chunk(weight.shape[0])
     for start in range(0, hidden.shape[0], step):
@@ -108,7 +136,11 @@ def _torch_partials(
         lse[sl] = torch.logsumexp(logits, dim=1)
         picked = logits.gather(1, local[sl].unsqueeze(1)).squeeze(1)
         tgt[sl] = torch.where(owned[sl], picked, 0.0)
-    return lse, tgt
+        if entropy is not None:  # - sum p log p; padding columns (p = 0) and padding shards give 0
+            log_p = logits - lse[sl].unsqueeze(1)
+            p = torch.exp(log_p)
+            entropy[sl] = -torch.where(p > 0, p * log_p, 0.0).sum(dim=1)
+    return lse, tgt, entropy
 
 
 def _masked(logits: torch.Tensor, real: int) -> torch.Tensor:
@@ -132,14 +164,51 @@ def head_logprobs(
 
     copy_to_tp=False: the caller's hidden states already sum their gradient over the TP group (they come
     from a sequence-parallel gather). impl: auto | triton | torch (see the module docstring)."""
-    from rollart_hpc.kernels import linear_logprob, resolve_impl
+    lp, _ = _head(hidden, weight, targets, vocab_size, tp_size, timeout_s, copy_to_tp, impl, False)
+    return lp
+
+
+def head_logprobs_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    tp_size: int,
+    timeout_s: float,
+    copy_to_tp: bool = True,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`head_logprobs` and the policy's entropy [N] (fp32, detached) from the same logit tiles or chunks:
+    no second pass over the head (under TP one more all-reduce of [N]). The entropy carries no gradient;
+    `token_entropy` is the differentiable one."""
+    lp, entropy = _head(hidden, weight, targets, vocab_size, tp_size, timeout_s, copy_to_tp, impl, True)
+    assert entropy is not None
+    return lp, entropy
+
+
+def _head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    tp_size: int,
+    timeout_s: float,
+    copy_to_tp: bool,
+    impl: str,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from rollart_hpc.kernels import linear_logprob_entropy, resolve_impl
+    from rollart_hpc.kernels.policy_loss import linear_logprob
 
     kernel = resolve_impl(impl, hidden.device) == "triton"
     if tp_size == 1 and weight.shape[0] == vocab_size:
         # The torch reference holds one chunk of logits at a time: the same budget as the path below.
         tuning = None if hidden.is_cuda else KernelTuning(token_chunk=_chunk(vocab_size))
         impl = "triton" if kernel else "torch"
-        return linear_logprob(hidden, weight, targets, impl, tuning=tuning).float()
+        if with_entropy:
+            lp, ent = linear_logprob_entropy(hidden, weight, targets, impl, tuning=tuning)
+            return lp.float(), ent.float()
+        return linear_logprob(hidden, weight, targets, impl, tuning=tuning).float(), None
     group = None
     if tp_size > 1:
         from megatron.core import parallel_state, tensor_parallel
@@ -147,10 +216,10 @@ def head_logprobs(
         group = parallel_state.get_tensor_model_parallel_group()
         if copy_to_tp:
             hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-    out: torch.Tensor = _VocabParallelLogprob.apply(
-        hidden, weight, targets, vocab_size, group, timeout_s, kernel
+    lp, ent = _VocabParallelLogprob.apply(
+        hidden, weight, targets, vocab_size, group, timeout_s, kernel, with_entropy
     )
-    return out
+    return lp, ent if with_entropy else None
 
 
 def token_logprobs(
@@ -168,8 +237,29 @@ def token_logprobs(
     impl "fused": `head_logprobs` (never [N, V] logits). "eager": the full (vocabulary-parallel)
     logits, padding columns masked, through Megatron's vocab-parallel cross-entropy, exactly what the
     model's own output layer and loss compute."""
+    lp, _ = token_logprobs_entropy(
+        impl, hidden, weight, targets, vocab_size, tp_size, timeout_s, copy_to_tp, False
+    )
+    return lp
+
+
+def token_logprobs_entropy(
+    impl: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    tp_size: int,
+    timeout_s: float,
+    copy_to_tp: bool = True,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` and, `with_entropy` under impl "fused", the detached per-token entropy [N] from
+    the same pass (`head_logprobs_entropy`); None otherwise ("eager" has no fused pass to share)."""
     if impl == "fused":
-        return head_logprobs(hidden, weight, targets, vocab_size, tp_size, timeout_s, copy_to_tp)
+        return _head(
+            hidden, weight, targets, vocab_size, tp_size, timeout_s, copy_to_tp, "auto", with_entropy
+        )
     from megatron.core import parallel_state, tensor_parallel
 
     if tp_size > 1 and copy_to_tp:
@@ -178,7 +268,7 @@ def token_logprobs(
         hidden.float() @ weight.float().T, vocab_size, parallel_state.get_tensor_model_parallel_rank()
     )
     ce: torch.Tensor = tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
-    return -ce
+    return -ce, None
 
 
 def mask_padding(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:

@@ -51,7 +51,7 @@ from rollart_hpc.train.config import TrainerConfig
 from rollart_hpc.train.convert import from_stage, stage_layers, unit_entries, unit_to_hf
 from rollart_hpc.train.convert import hf_units as convert_units
 from rollart_hpc.train.gather import gather_hf_units
-from rollart_hpc.train.lm_head import token_entropy, token_logprobs
+from rollart_hpc.train.lm_head import token_entropy, token_logprobs_entropy
 from rollart_hpc.train.model import Layout, ensure_model_parallel, gpt_from_hf
 
 HF_WEIGHTS = "model.safetensors"
@@ -86,7 +86,7 @@ class Trainer:
             raise RuntimeError("initialise torch.distributed (the trainer ranks) before building a Trainer")
         self.cfg = cfg
         self.model_dir = Path(model_dir)
-        self.device = _pick_device()
+        self.device = pick_device()
         self.layout: Layout = ensure_model_parallel(
             cfg.seed, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.collective_timeout_s
         )
@@ -202,12 +202,16 @@ class Trainer:
         flat = torch.zeros(micro.batch.num_tokens, dtype=torch.float32, device=self.device)
         return flat.index_put((index[action],), ent)
 
-    def _token_logprobs(self, micro: Micro, output: torch.Tensor) -> torch.Tensor:
+    def _token_logprobs(
+        self, micro: Micro, output: torch.Tensor, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(token t | tokens < t) for every token of the micro-batch as [T] (0 at each sequence's
-        first token), from the last stage's final hidden states through `lm_head.token_logprobs`."""
+        first token), from the last stage's final hidden states through `lm_head.token_logprobs_entropy`;
+        `with_entropy` (and loss_impl "fused"): also the detached entropy [T] at the action tokens (0
+        elsewhere) from the same pass, else None."""
         rows = micro.rows
         hidden, valid = self._packed_hidden(micro, output)
-        lp = token_logprobs(
+        lp, ent = token_logprobs_entropy(
             self.cfg.loss_impl,
             hidden,
             self._head_weight(),
@@ -216,16 +220,23 @@ class Trainer:
             self.layout.tp_size,
             self.cfg.collective_timeout_s,
             copy_to_tp=not self.cfg.sequence_parallel,
+            with_entropy=with_entropy,
         )
         index = rows.flat_index.to(self.device)[valid]
         flat = torch.zeros(micro.batch.num_tokens, dtype=torch.float32, device=self.device)
-        return flat.index_put((index,), lp.float())
+        if ent is None:
+            return flat.index_put((index,), lp.float()), None
+        action = micro.batch.action_mask.to(self.device)[index]
+        entropy = flat.index_put((index[action],), ent[action].float())
+        return flat.index_put((index,), lp.float()), entropy
 
     def _loss(self, micro: Micro, loss_fn: LossFn, output: torch.Tensor) -> tuple[Any, ...]:
-        lp = self._token_logprobs(micro, output)
+        # Entropy only logged (entropy_coef 0): taken from the log-prob pass, no second pass over the head.
+        lp, entropy = self._token_logprobs(micro, output, self._entropy_mode == "detached")
         if micro.dummy:  # the whole graph, so that every parameter receives its (zero) gradient
             return lp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
-        entropy = self._token_entropy(micro, output) if self._entropy_mode else None
+        if self._entropy_mode and entropy is None:  # an entropy term (its gradient), or loss_impl "eager"
+            entropy = self._token_entropy(micro, output)
         loss, parts = loss_fn(micro.batch, lp, micro.positions, entropy)
         for name, value in {"loss": loss, **parts}.items():
             if name == BEHAVIOUR_GAP and name in self._sums:
@@ -589,8 +600,10 @@ def _dummy_batch() -> PackedBatch:
     return from_sequences([[0, 0]], [[0, 0]], [[0.0, 0.0]], [[0.0, 0.0]])
 
 
-def _pick_device() -> torch.device:
-    """This rank's CUDA device (TF32 on for fp32 matmuls and convolutions), or the CPU without CUDA."""
+def pick_device() -> torch.device:
+    """The trainer's device on this rank: the current CUDA device, which the rank's placement chose
+    (`cluster.placement.apply_placement`), with TF32 on for fp32 matmuls and convolutions; or the CPU
+    without CUDA. Single-rank tests build their models and inputs on it (tests/train_device.py)."""
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -1,12 +1,13 @@
 """Question answering task sets read from a file ([[envs.datasets]]): one single-turn task per good row.
 
-A row is a JSON object (one per line of a .jsonl file, or a row of a .parquet file read with pyarrow)
-with a non-empty text under `prompt_field` and a number or non-empty text under `answer_field` (and, with
-`split_field`, 'train' or 'test' / 'heldout'). Any other row is malformed: it is counted, named in
-`DatasetRows.malformed` (row number and reason) and logged once per process, never trained on; a file
-without a single good row is an error. Row `i` (1-based line number) is task `<name>/<i>`, so ids stay
-stable while the file does. Held-out rows: those whose split says so, or, with `heldout_fraction`, those
-whose prompt hashes (sha256) below that fraction, so adding rows never moves an old one between splits.
+A row is a JSON object (one per line of a .jsonl file, or a row of a .parquet file read with pyarrow,
+where a null reads as a missing field) with a non-empty text under `prompt_field` and a number or
+non-empty text under `answer_field` (and, with `split_field`, 'train' or 'test' / 'heldout'). Any other
+row is malformed: it is counted, named in `DatasetRows.malformed` (row number and reason) and logged once
+per process, never trained on; a file without a single good row is an error. Row `i` (1-based line or
+row number) is task `<name>/<i>`, so ids stay stable while the file does. Held-out rows: those whose split
+says so, or, with `heldout_fraction`, those whose prompt hashes (sha256) below that fraction, so adding
+rows never moves an old one between splits.
 
 The episode: the prompt is the first observation; the agent replies `<answer>...</answer>` once, and the
 answer is checked by calc_math's checker (`calc_math.answer_matches`: numbers within 1e-6, else texts up
@@ -67,9 +68,13 @@ class DatasetError(ValueError):
 def _records(path: Path) -> list[Any]:
     """The file's rows in order: parsed JSON objects, or the text of a line that is not JSON."""
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq  # only with pyarrow installed (the config checks it)
+        import pyarrow as pa  # the config checks that pyarrow is installed
+        import pyarrow.parquet as pq
 
-        return list(pq.read_table(path).to_pylist())
+        try:
+            return list(pq.read_table(path).to_pylist())
+        except pa.ArrowException as exc:  # not a parquet file, or a broken one
+            raise OSError(str(exc).splitlines()[0]) from None
     rows: list[Any] = []
     with path.open(encoding="utf-8") as fh:
         for line in fh:
@@ -127,7 +132,8 @@ def read_rows(
         elif record is not None:  # blank lines are layout, not rows
             malformed.append((number, got))
     if not rows:
-        raise DatasetError(f"{path} holds no good row ({len(malformed)} malformed)")
+        first = f"; row {malformed[0][0]}: {malformed[0][1]}" if malformed else ""
+        raise DatasetError(f"{path} holds no good row ({len(malformed)} malformed{first})")
     return DatasetRows(tuple(rows), tuple(malformed))
 
 
