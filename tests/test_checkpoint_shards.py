@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rollart_hpc.models.checkpoint import CheckpointReader, expected_shapes, load_weights
+from rollart_hpc.models.checkpoint import CheckpointReader, ShardWriter, expected_shapes, load_weights
 from rollart_hpc.models.config import ModelConfig, config_from_dict
 from rollart_hpc.train.convert import read_stage, stage_layers
 from rollart_hpc.train.model import Layout, shard_weights
@@ -207,3 +207,27 @@ def test_gpt_from_a_sharded_checkpoint_equals_the_whole_model_path(
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
     expected = shard_weights(hf, cfg, Layout(1, 0, 1, 0, 1, 0))
     assert set(state) == set(expected) and all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+def test_shard_writer_holds_one_file_and_gives_a_large_tensor_a_file_alone(tmp_path: Path) -> None:
+    tensors = {f"t{i}": torch.full((250,), float(i)) for i in range(10)}  # 1000 bytes each
+    tensors["big"] = torch.arange(1000.0)  # 4000 bytes: more than a file
+    writer = ShardWriter(tmp_path, 2500)
+    for name, tensor in tensors.items():
+        writer.add({name: tensor})
+    files = writer.close()
+    assert [len(names) for names in writer.files] == [2, 2, 2, 2, 2, 1]
+    assert writer.peak_bytes == 4000 and writer.total_bytes == 14000
+    assert [f.name for f in files][-1] == "model-00006-of-00006.safetensors"
+    assert not list(tmp_path.glob(".part-*"))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["big"] == files[-1].name and index["metadata"]["total_size"] == 14000
+    from safetensors.torch import load_file
+
+    back = {k: v for f in files for k, v in load_file(str(f)).items()}
+    assert set(back) == set(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    single = ShardWriter(tmp_path / "one", 1 << 20)
+    (tmp_path / "one").mkdir()
+    single.add(tensors)
+    assert [f.name for f in single.close()] == ["model.safetensors"]
+    assert not (tmp_path / "one" / "model.safetensors.index.json").exists()

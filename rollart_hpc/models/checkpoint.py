@@ -197,3 +197,63 @@ def load_weights(model_dir: str | Path, config: ModelConfig | None = None) -> di
     tensors = drop_tied_head(config, tensors)
     check_weights(config, tensors, complete=True)
     return tensors
+
+
+class ShardWriter:
+    """Writes named tensors as they come into safetensors files of at most `shard_bytes` each (a larger
+    tensor gets a file of its own), holding at most one file's tensors: `add` the tensors (in the order
+    they should be stored), then `close`, which names the files as HF does: one file is
+    `model.safetensors`, several are `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`
+    (the weight map and `metadata.total_size`). Tensors are written as they are (moved to the CPU)."""
+
+    def __init__(self, folder: str | Path, shard_bytes: int) -> None:
+        if shard_bytes < 1:
+            raise ValueError(f"shard size must be positive, got {shard_bytes}")
+        self.folder = Path(folder)
+        self.shard_bytes = shard_bytes
+        self.files: list[list[str]] = []  # the names of each written file
+        self.total_bytes = 0
+        self.peak_bytes = 0  # the most tensor bytes held at once
+        self._current: dict[str, torch.Tensor] = {}
+        self._current_bytes = 0
+
+    def _part(self, index: int) -> Path:
+        return self.folder / f".part-{index:05d}.safetensors"
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if self._current and self._current_bytes + nbytes > self.shard_bytes:
+                self._flush()
+            self._current[name] = tensor.detach().cpu().contiguous()
+            self._current_bytes += nbytes
+            self.total_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self._current_bytes)
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self._current, str(self._part(len(self.files))), metadata={"format": "pt"})
+        self.files.append(list(self._current))
+        self._current, self._current_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        """Write the last file, give every file its final name (and the index); return the files."""
+        if self._current:
+            self._flush()
+        if not self.files:
+            raise ValueError(f"{self.folder}: no tensors to write")
+        count = len(self.files)
+        if count == 1:
+            final = [self.folder / SINGLE_NAME]
+        else:
+            final = [self.folder / f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for index, path in enumerate(final):
+            self._part(index).rename(path)
+        if count > 1:
+            weight_map = {
+                name: path.name for path, names in zip(final, self.files, strict=True) for name in names
+            }
+            index_doc = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.folder / INDEX_NAME).write_text(json.dumps(index_doc, indent=2, sort_keys=True))
+        return final
