@@ -20,7 +20,11 @@
 # communicator on one GPU, so tensor/pipeline/data-parallel trainer layouts and NCCL weight broadcast between
 # ranks need two GPUs or more (tests/test_train_layouts_mpi.py and tests/test_weights_mpi.py with CUDA), and so
 # does the LM-head kernel's tensor-parallel parity (tests/test_train_lm_head_mpi.py: TP 2, shards combined over
-# the group; CPU gloo here).
+# the group; CPU gloo here). Also GPU-only: the weight publisher's send ring in device memory under NCCL
+# (a ring buffer reused once `work.wait()` has ordered the stream after its broadcast; lone buckets sent
+# straight from the unit's CUDA tensor), whose bound `torch.cuda.max_memory_allocated` would confirm in
+# part 4 (WeightPublisher.peak_bytes <= 2 x bucket there); and sliced safetensors reads straight to the
+# device are not used (a rank's shard is read to host memory, then copied to its GPU).
 # Then OUT_DIR/gpu_check.json and one summary table (scripts/gpu_check_summary.py); exit 1 if a part that ran
 # failed.
 # --dry: check the arguments and print the commands, run nothing (what the CPU tests exercise).

@@ -113,7 +113,19 @@ def test_first_pipeline_stage_holds_pp_micro_batches() -> None:
     first, last = trainers[0], trainers[-1]
     assert first.terms["activations"] == 2 * last.terms["activations"]
     assert "logits" in last.terms and "logits" not in first.terms
-    assert first.terms["publication"] == 7_615_616_512 * 2  # the whole bf16 model on the first trainer
+    # The first trainer's two send buckets (32 MiB), never the model; the gathered unit is `weight_gather`.
+    assert first.terms["publication"] == 2 * 32 * 2**20 < 7_615_616_512 * 2 // 100
+
+
+def test_publication_buffers_are_buckets_and_one_unit_not_the_model() -> None:
+    plan = memory_plan(load_config(QWEN7B_TOML, ["trainer.tensor_parallel=1"]))
+    first = next(r for r in plan.ranks if r.role == "trainer")
+    rollout = next(r for r in plan.ranks if r.role == "rollout")
+    embedding = 152064 * 3584 * 2  # the largest unit and the largest tensor, in bf16
+    # TP = PP = 1: two send buckets and the converted unit at hand (the embedding) on the publisher.
+    assert "weight_gather" not in first.terms
+    assert first.terms["publication"] == 2 * 32 * 2**20 + embedding + 3584 * 2
+    assert rollout.terms["receive_buffers"] == 2 * embedding  # a ring of two, each as large as a tensor
 
 
 def test_qwen7b_rollout_ranks_report_vllm_share_and_kv_room() -> None:

@@ -2,7 +2,8 @@
 
 The worker is `tests/mpi_scripts/train_layout_check.py`. The model is the run's tiny shape: tied
 embeddings (so PP > 1 keeps a second copy of the embedding on the last stage), qkv biases, 2 heads and 1
-key/value group (so TP = 2 splits one fused qkv group over two ranks). A Qwen3 model (q/k layernorm,
+key/value group (so TP = 2 splits one fused qkv group over two ranks), stored as a sharded checkpoint
+(several safetensors files and `model.safetensors.index.json`). A Qwen3 model (q/k layernorm,
 head_dim != hidden_size / heads) checks tensor parallelism for that family.
 """
 
@@ -23,12 +24,21 @@ WORKER = Path(__file__).parent / "mpi_scripts" / "train_layout_check.py"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollart_hpc.models.checkpoint import ShardWriter, load_weights
     from rollart_hpc.models.tiny import make_tiny_model
 
-    return make_tiny_model(
+    folder = make_tiny_model(
         tmp_path_factory.mktemp("layouts") / "qwen2", family="qwen2", hidden_size=128, num_layers=2,
         num_heads=2, num_kv_heads=1, vocab_size=512, tie_word_embeddings=True,
     )  # fmt: skip
+    # Stored as a sharded checkpoint (an index and several files): each rank reads only its stage's files
+    # and its tensor-parallel slices (`model.read_shard`).
+    weights = load_weights(folder)
+    (folder / "model.safetensors").unlink()
+    writer = ShardWriter(folder, 200_000)
+    writer.add(weights)
+    assert len(writer.close()) >= 3
+    return folder
 
 
 def _run(

@@ -342,6 +342,28 @@ def test_hf_export_round_trips_through_transformers(model_dir: Path, tmp_path: P
     assert float((ours - ref).abs().max()) < HF_LOGPROB_ATOL
 
 
+def test_save_hf_writes_bounded_shards_that_load_back(model_dir: Path, tmp_path: Path) -> None:
+    """With files of at most 100 kB the export is several shards and an index; the writer never held
+    more than one file's tensors, and the directory loads back to the trainer's weights."""
+    import json
+
+    from rollart_hpc.models.checkpoint import load_weights
+
+    trainer = _trainer(model_dir)
+    expected = trainer.hf_state_dict()
+    out = trainer.save_hf(tmp_path / "hf", shard_bytes=100_000)
+    files = sorted(out.glob("model-*-of-*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(files) >= 3 and not (out / "model.safetensors").exists() and (out / "COMPLETE").is_file()
+    assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in expected.values())
+    largest = max(t.numel() * t.element_size() for t in expected.values())
+    for file in files:  # a file is at most 100 kB of tensors, or one tensor larger than that
+        assert file.stat().st_size <= max(100_000, largest) + 4096
+    saved = load_weights(out)
+    assert set(saved) == set(expected) and all(torch.equal(saved[k], expected[k]) for k in expected)
+
+
 def test_a_collective_that_times_out_names_the_peers(model_dir: Path) -> None:
     from rollart_hpc.contracts.errors import PeerTimeoutError
     from rollart_hpc.train import comm

@@ -34,11 +34,11 @@ def test_receivers_get_bit_identical_tensors_for_three_versions(results):
     assert [run["stream"] for run in runs[0]] == [False] * 5 + [True, False]  # chunks in reverse, checksums
     assert runs[0][2]["num_buckets"] == 1 and runs[0][0]["num_buckets"] >= 5
     assert runs[0][6]["num_buckets"] == 3  # direct 1 KiB: the embedding and the projection alone
-    # Snapshots are always packed; handed-over tensors alone in a bucket go out without a copy: the
-    # 300x64 float32 embedding and the 64x64 bf16 projection, in each of the 3 versions, and at 256-byte
-    # buckets also the 264-byte float64 head (larger than a bucket; its alignment padding is not sent);
-    # in 1 MiB buckets with `direct_mb` at 1 KiB, the embedding and the projection (checksummed).
-    assert [run["direct_sends"] for run in runs[0]] == [0, 0, 0, 2 * 3, 3 * 3, 0, 2 * 3]
+    # Snapshots are always packed; handed-over and streamed tensors alone in a bucket go out without a
+    # copy: the 300x64 float32 embedding and the 64x64 bf16 projection, in each of the 3 versions, and at
+    # 256-byte buckets also the 264-byte float64 head (larger than a bucket; its alignment padding is not
+    # sent); in 1 MiB buckets with `direct_mb` at 1 KiB, the embedding and the projection (checksummed).
+    assert [run["direct_sends"] for run in runs[0]] == [0, 0, 0, 2 * 3, 3 * 3, 3 * 3, 2 * 3]
     for index, published in enumerate(runs[0]):
         assert sorted(published["versions"]) == ["1", "2", "3"]
         assert published["versions"]["1"] != published["versions"]["2"]
@@ -48,6 +48,7 @@ def test_receivers_get_bit_identical_tensors_for_three_versions(results):
 
 
 def test_publish_returns_before_the_broadcast_completes(results):
+    """With a send depth as large as the model's 8 buckets (the publisher then holds them all)."""
     pub = results[0]["nonblocking"]
     assert pub["in_flight_after_publish"] is True
     assert pub["publish_s"] < 2.0  # receivers join 3 s late (margin for a loaded machine)

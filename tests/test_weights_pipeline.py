@@ -45,6 +45,7 @@ class _FakeGroup:
         self.sent: list[torch.Tensor] = []
         self.events: list[tuple[str, int]] = []
         self.issued = 0
+        self.in_flight = self.max_in_flight = 0
         self.world = SimpleNamespace(me=f"member {member}")
 
     def start_broadcast(self, tensor: torch.Tensor, src_member: int) -> _Work:
@@ -53,9 +54,14 @@ class _FakeGroup:
         if self.gate is not None and index == 1:
             assert self.gate.wait(10), "the gate was never opened"
         if self.member == src_member:
-            return _Work(lambda: self.sent.append(tensor.clone()))
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            return _Work(lambda: (self.sent.append(tensor.clone()), self._landed()))
         assert self.payloads is not None
         return _Work(lambda: (tensor.copy_(self.payloads[index]), self.events.append(("land", index))))
+
+    def _landed(self) -> None:
+        self.in_flight -= 1
 
     def wait(self, work: _Work, src_member: int, what: str, round_id: int | None = None) -> None:
         work.wait()
@@ -218,3 +224,61 @@ def test_receive_into_a_mismatched_tensor_fails_before_any_broadcast_and_the_str
     assert version == 6
     for name, view in views.items():
         assert torch.equal(view.view(torch.uint8), named[name].view(torch.uint8))
+
+
+def _small_model(count: int, extra: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(count)
+    named = {f"layer.{i}": torch.randn(1000, generator=g) for i in range(count)}  # 4000 bytes each
+    if extra:
+        named["embed"] = torch.randn(extra, generator=g)
+    return named
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "deferred", "stream"])
+def test_sender_holds_at_most_depth_buckets_of_a_model_many_buckets_large(mode: str) -> None:
+    """40 tensors of 4000 bytes in 8 KiB buckets (20 buckets, 160 kB): the sender's buffers never exceed
+    2 buckets, at most 2 bucket broadcasts (and the header) are in flight, and every byte arrives."""
+    bucket_bytes = 8192
+    named = _small_model(40)
+    group = _FakeGroup(0)
+    pub = WeightPublisher(group, layout_for(named.items(), bucket_bytes), checksum=True)  # type: ignore[arg-type]
+    assert pub.layout.num_buckets == 20 and pub.layout.total_nbytes > 8 * pub.depth * bucket_bytes
+    group.max_in_flight = 0
+    for version in (1, 2):
+        if mode == "stream":
+            pub.publish_stream(version, ({n: t} for n, t in named.items()))
+        else:
+            pub.publish(version, named, snapshot=mode == "snapshot")
+        pub.wait()
+        assert pub.peak_bytes <= pub.depth * bucket_bytes
+    assert pub.allocated_bytes == pub.peak_bytes == 2 * 2 * 4032  # two buckets of two aligned tensors, kept
+    assert group.max_in_flight <= pub.depth + 1
+    rec = WeightReceiver(_FakeGroup(1, group.sent), 0)  # type: ignore[arg-type]
+    for version in (1, 2):
+        got, views = _collect(rec)
+        assert got == version and all(torch.equal(views[n], named[n]) for n in named)
+    assert rec.allocated_bytes <= rec.depth * bucket_bytes
+
+
+def test_a_tensor_larger_than_a_bucket_is_sent_from_the_stream_or_from_one_transient_copy() -> None:
+    """A 48 kB embedding in 8 KiB buckets: streamed, it goes out straight from the caller's tensor (no
+    copy); from a snapshot `publish`, through one copy of that tensor, freed once it is delivered."""
+    named = _small_model(8, extra=12000)
+    group = _FakeGroup(0)
+    pub = WeightPublisher(group, layout_for(named.items(), 8192))  # type: ignore[arg-type]
+    pub.publish_stream(1, ({n: t} for n, t in named.items()))
+    pub.wait()
+    assert pub.direct_sends == 1 and pub.peak_bytes <= 2 * 8192
+    pub.publish(2, named)
+    pub.wait()
+    assert pub.direct_sends == 1 and pub.peak_bytes <= 2 * 8192 + 48000
+    assert pub.allocated_bytes <= 2 * 8192  # the copy is gone
+    rec = WeightReceiver(_FakeGroup(1, group.sent), 0)  # type: ignore[arg-type]
+    for version in (1, 2):
+        got, views = _collect(rec)
+        assert got == version and all(torch.equal(views[n], named[n]) for n in named)
+
+
+def test_send_depth_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="send depth must be at least 1, got 0"):
+        WeightPublisher(_FakeGroup(0), layout_for(model(1).items(), BUCKET_BYTES), depth=0)  # type: ignore[arg-type]

@@ -26,11 +26,16 @@ Assumptions (each term's docstring says which it uses):
 - 1F1B: pipeline stage i (of PP) holds the activations of PP - i micro-batches; PP = 1 holds one.
 - The loss: 'fused' holds one chunk of fp32 logits (LOGITS_CHUNK_ELEMENTS) and its gradient; 'eager' the
   [tokens, vocab / TP] fp32 logits and their gradient.
-- Weight publication (`weights/publisher.py`, as the trainer and rollout ranks use it): the first trainer
-  holds the whole published model once (fresh copies at TP = PP = 1, the send buckets otherwise) and,
-  under TP or PP, one gathered layer; every receiver holds its receive buckets (the whole published
-  model), and a vLLM engine a staging buffer on its GPU besides, of one chunk: at most trainer.bucket_mb or
-  the largest tensor (the built-in engine: a staged copy of its weights). The published dtype is the training precision's.
+- Weight publication (`weights/publisher.py`, as the trainer and rollout ranks use it): each side keeps
+  at most PUBLISH_DEPTH bucket broadcasts in flight. The first trainer holds its ring of PUBLISH_DEPTH
+  send buckets of trainer.bucket_mb (a tensor larger than a bucket goes out straight from the unit it
+  belongs to) and the unit at hand: at TP = PP = 1 one converted unit (the largest: a layer or the
+  embedding), under TP or PP one gathered layer (`weight_gather`, on every rank of the first replica).
+  Every receiver holds its ring of PUBLISH_DEPTH receive buffers, each as large as a bucket or the
+  largest tensor, and a vLLM engine a staging buffer on its GPU besides, of one chunk: at most
+  trainer.bucket_mb or the largest tensor (the built-in engine: a staged copy of its weights). The
+  published dtype is the training precision's. Loading reads only the rank's shard of the checkpoint
+  (host memory, not counted here: no rank reads the whole model).
 - Every GPU process has CUDA_CONTEXT_BYTES of context, library workspaces and NCCL buffers.
 - A vLLM engine takes gpu_memory_utilization x the GPU's memory for its weights, activations, CUDA graphs
   and KV cache; the KV-cache room reported is that share less the weights (vLLM's activation peak, which it
@@ -51,6 +56,7 @@ VOCAB_MULTIPLE = 128  # Megatron's padded vocabulary (train/convert.py: padded_v
 LOGITS_CHUNK_ELEMENTS = 1 << 22  # train/lm_head.py: LOGITS_BUDGET_ELEMENTS, fp32 logits held per chunk
 CUDA_CONTEXT_BYTES = 1 << 30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "float32": 4, "bfloat16": 2}
+PUBLISH_DEPTH = 2  # weights/publisher.py: bucket broadcasts in flight on the sending and receiving side
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,29 @@ def model_params(cfg: ModelConfig) -> int:
     embedding = cfg.vocab_size * cfg.hidden_size
     head = 0 if cfg.tie_word_embeddings else embedding
     return cfg.num_layers * layer_params(cfg, 1) + embedding + head + cfg.hidden_size
+
+
+def largest_tensor_params(cfg: ModelConfig) -> int:
+    """Elements of the model's largest HF tensor: the embedding (or head) or an MLP matrix."""
+    return max(cfg.vocab_size, cfg.intermediate_size) * cfg.hidden_size
+
+
+def largest_unit_params(cfg: ModelConfig) -> int:
+    """Parameters of the largest publication unit (`train/convert.py: hf_units`): a layer, the
+    embedding, or the final norm and untied head."""
+    return max(layer_params(cfg, 1), cfg.vocab_size * cfg.hidden_size + cfg.hidden_size)
+
+
+def publication_bytes(cfg: ModelConfig, dtype_bytes: int, bucket_bytes: int, model_parallel: int) -> int:
+    """The first trainer's publication buffers: PUBLISH_DEPTH send buckets and, at TP = PP = 1, the
+    converted unit at hand (under TP or PP the gathered unit is the `weight_gather` term)."""
+    unit = largest_unit_params(cfg) * dtype_bytes if model_parallel == 1 else 0
+    return PUBLISH_DEPTH * bucket_bytes + unit
+
+
+def receive_bytes(cfg: ModelConfig, dtype_bytes: int, bucket_bytes: int) -> int:
+    """A receiver's ring: PUBLISH_DEPTH buffers as large as a bucket or the largest tensor."""
+    return PUBLISH_DEPTH * max(bucket_bytes, largest_tensor_params(cfg) * dtype_bytes)
 
 
 def state_terms(params: int, precision: str, dp: int, distributed: bool) -> dict[str, int]:

@@ -30,7 +30,10 @@ from rollart_hpc.plan.memory import (
     StageLayout,
     activation_terms,
     kv_bytes_per_token,
+    largest_tensor_params,
     model_params,
+    publication_bytes,
+    receive_bytes,
     stage_params,
     state_terms,
 )
@@ -237,7 +240,8 @@ def trainer_ranks(
         terms = state_terms(params, t.precision, dp, t.distributed_optimizer)
         terms |= activation_terms(cfg, act, lay, LayerShape.of(cfg), t.loss_impl)
         if i == 0:
-            terms["publication"] = publish_bytes
+            bucket = int(t.bucket_mb * 2**20)
+            terms["publication"] = publication_bytes(cfg, DTYPE_BYTES[t.precision], bucket, model_parallel)
         if model_parallel > 1 and (i // tp) % dp == 0:
             terms["weight_gather"] = publish_bytes // cfg.num_layers
         if part.resources.gpus_per_rank:
@@ -268,13 +272,13 @@ def trainer_activations(t: TrainingConfig, max_model_len: int) -> Activations:
 def rollout_ranks(
     plan: RunPlan, part: RoleRange, cfg: ModelConfig, r: RolloutConfig, t: TrainingConfig
 ) -> list[RankMemory]:
-    publish_bytes = model_params(cfg) * DTYPE_BYTES[t.precision]
+    receive = receive_bytes(cfg, DTYPE_BYTES[t.precision], int(t.bucket_mb * 2**20))
     slots = getattr(part.resources, "num_slots", 0) or r.num_slots
     limit = gpu_memory_bytes(part.resources)
     if r.engine == "vllm":
-        rows = [vllm_rank(cfg, r, t, limit, publish_bytes, slots) for _ in part.ranks]
+        rows = [vllm_rank(cfg, r, t, limit, receive, slots) for _ in part.ranks]
     else:
-        rows = [builtin_rank(cfg, r, limit, publish_bytes, slots) for _ in part.ranks]
+        rows = [builtin_rank(cfg, r, limit, receive, slots) for _ in part.ranks]
     return [
         RankMemory(rank, "rollout", label(plan, rank), terms, limit, notes=notes, problem=problem)
         for rank, (terms, notes, problem) in zip(part.ranks, rows, strict=True)
@@ -285,16 +289,16 @@ RankTerms = tuple[dict[str, int], tuple[str, ...], str]
 
 
 def vllm_rank(
-    cfg: ModelConfig, r: RolloutConfig, t: TrainingConfig, limit: int | None, publish_bytes: int, slots: int
+    cfg: ModelConfig, r: RolloutConfig, t: TrainingConfig, limit: int | None, receive: int, slots: int
 ) -> RankTerms:
     """vLLM's share of the GPU (weights and KV cache inside it) plus the weight update outside it."""
     dtype = t.precision if r.vllm.dtype == "auto" else r.vllm.dtype
     tp = r.tensor_parallel_size
     weights = model_params(cfg) * DTYPE_BYTES[dtype] // tp
     # A weight update is staged one chunk of at most trainer.bucket_mb at a time; a larger tensor goes alone.
-    largest = max(cfg.vocab_size, cfg.intermediate_size) * cfg.hidden_size * DTYPE_BYTES[t.precision]
+    largest = largest_tensor_params(cfg) * DTYPE_BYTES[t.precision]
     outside = {
-        "receive_buffers": publish_bytes,
+        "receive_buffers": receive,
         "vllm_staging": max(int(t.bucket_mb * 2**20), largest),
         "cuda_context": CUDA_CONTEXT_BYTES,
     }
@@ -318,12 +322,12 @@ def vllm_rank(
 
 
 def builtin_rank(
-    cfg: ModelConfig, r: RolloutConfig, limit: int | None, publish_bytes: int, slots: int
+    cfg: ModelConfig, r: RolloutConfig, limit: int | None, receive: int, slots: int
 ) -> RankTerms:
     """The built-in engine: weights, a staged copy of them, the KV cache rows, the receive buckets."""
     weights = model_params(cfg) * BUILTIN_ENGINE_BYTES
     rows = slots + r.prefix_cache_slots
     kv = rows * r.max_model_len * kv_bytes_per_token(cfg, BUILTIN_ENGINE_BYTES)
-    terms = {"weights": weights, "staged_weights": weights, "kv_cache": kv, "receive_buffers": publish_bytes}
+    terms = {"weights": weights, "staged_weights": weights, "kv_cache": kv, "receive_buffers": receive}
     notes = (f"KV cache: {rows} rows x {r.max_model_len} positions" + ("" if limit else "; on the host"),)
     return terms, notes, ""

@@ -14,12 +14,17 @@ GPTModel's `rope_scaling`, which computes HF's llama3 inverse frequencies with l
 weights (qkv, fc1, embedding, output layer) are split on dim 0, row-parallel ones (proj, fc2) on dim 1.
 The embedding and output layer carry zero rows up to `padded_vocab_size` (dropped again on the way out).
 Pipeline parallelism: `to_stage` / `from_stage` keep a stage's layers and renumber them.
+
+Two ways in: `hf_to_megatron` converts whole HF tensors held in memory; `read_stage` reads from a
+`SliceReader` (`models.checkpoint.CheckpointReader`) only the tensors of one pipeline stage and, for the
+tensor-parallel splits, only this rank's rows or columns (the fused qkv: the key/value groups its rows
+overlap), and gives exactly `to_stage(hf_to_megatron(...))`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -104,8 +109,15 @@ def megatron_args(cfg: ModelConfig, tensor_parallel: int = 1) -> MegatronArgs:
 
 def qkv_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """HF q/k/v (weights [.., H] or biases) -> Megatron's per-group interleaved linear_qkv."""
-    ng, hn, rest = cfg.num_kv_heads, cfg.head_dim, q.shape[1:]
-    parts = [q.view(ng, cfg.num_groups * hn, *rest), k.view(ng, hn, *rest), v.view(ng, hn, *rest)]
+    return _fuse_groups(q, k, v, cfg.num_kv_heads, cfg.num_groups * cfg.head_dim, cfg.head_dim)
+
+
+def _fuse_groups(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ng: int, q_rows: int, hn: int
+) -> torch.Tensor:
+    """`ng` consecutive key/value groups' q ([ng * q_rows, ..]), k and v ([ng * hn, ..]) interleaved."""
+    rest = q.shape[1:]
+    parts = [q.view(ng, q_rows, *rest), k.view(ng, hn, *rest), v.view(ng, hn, *rest)]
     return torch.cat(parts, 1).reshape(-1, *rest)
 
 
@@ -210,6 +222,94 @@ def _layer_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig, i: int, ra
         q, k, v = (hf[f"{attn}{p}_proj.{kind}"] for p in "qkv")
         out[f"{m}self_attention.linear_qkv.{kind}"] = qkv_fuse(q, k, v, cfg).chunk(tp, 0)[rank]
     return out
+
+
+class SliceReader(Protocol):
+    """`read(name)`: a whole HF tensor; `read(name, dim, start, stop)`: its indices [start, stop) along
+    `dim` (0 or 1), read without the rest of the tensor."""
+
+    def read(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor: ...
+
+
+def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """The indices of `torch.chunk(size, parts)[index]` along the split dimension."""
+    step = -(-size // parts)
+    return min(index * step, size), min((index + 1) * step, size)
+
+
+def _read_chunk(reader: SliceReader, name: str, size: int, dim: int, rank: int, tp: int) -> torch.Tensor:
+    lo, hi = chunk_range(size, tp, rank)
+    return reader.read(name, dim, lo, hi) if tp > 1 else reader.read(name)
+
+
+def _read_vocab_rows(reader: SliceReader, name: str, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
+    """This rank's rows of the padded embedding (or head): the real rows read, the padding zero."""
+    lo, hi = chunk_range(padded_vocab_size(cfg.vocab_size), tp, rank)
+    rows = reader.read(name, 0, min(lo, cfg.vocab_size), min(hi, cfg.vocab_size))
+    return _pad_rows(rows, hi - lo)
+
+
+def _read_qkv(
+    reader: SliceReader, cfg: ModelConfig, attn: str, kind: str, rank: int, tp: int
+) -> torch.Tensor:
+    """This rank's rows of the fused qkv `kind`: the q/k/v rows of the groups they overlap, fused, sliced."""
+    hn, q_rows = cfg.head_dim, cfg.num_groups * cfg.head_dim
+    block = q_rows + 2 * hn
+    lo, hi = chunk_range(cfg.num_kv_heads * block, tp, rank)
+    g0, g1 = lo // block, -(-hi // block)
+    q = reader.read(f"{attn}q_proj.{kind}", 0, g0 * q_rows, g1 * q_rows)
+    k, v = (reader.read(f"{attn}{p}_proj.{kind}", 0, g0 * hn, g1 * hn) for p in "kv")
+    return _fuse_groups(q, k, v, g1 - g0, q_rows, hn)[lo - g0 * block : hi - g0 * block]
+
+
+def _read_layer(reader: SliceReader, cfg: ModelConfig, i: int, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """`_layer_to_megatron` of layer `i` for one rank, reading only that rank's slices."""
+    h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    attn, q_out, ffn = h + "self_attn.", cfg.num_heads * cfg.head_dim, cfg.intermediate_size
+    out = {
+        m + "input_layernorm.weight": reader.read(h + "input_layernorm.weight"),
+        m + "pre_mlp_layernorm.weight": reader.read(h + "post_attention_layernorm.weight"),
+        m + "self_attention.linear_proj.weight": _read_chunk(
+            reader, attn + "o_proj.weight", q_out, 1, rank, tp
+        ),
+        m + "mlp.linear_fc2.weight": _read_chunk(reader, h + "mlp.down_proj.weight", ffn, 1, rank, tp),
+    }
+    gate = _read_chunk(reader, h + "mlp.gate_proj.weight", ffn, 0, rank, tp)
+    up = _read_chunk(reader, h + "mlp.up_proj.weight", ffn, 0, rank, tp)
+    out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)
+    if cfg.qk_norm:
+        out[m + "self_attention.q_layernorm.weight"] = reader.read(attn + "q_norm.weight")
+        out[m + "self_attention.k_layernorm.weight"] = reader.read(attn + "k_norm.weight")
+    for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+        out[f"{m}self_attention.linear_qkv.{kind}"] = _read_qkv(reader, cfg, attn, kind, rank, tp)
+    return out
+
+
+def read_stage(
+    reader: SliceReader, cfg: ModelConfig, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
+) -> dict[str, torch.Tensor]:
+    """The local-spec state dict of one (TP rank, PP stage), equal to
+    `to_stage(hf_to_megatron(hf, cfg, tp_rank, tp_size), ...)`, reading through `reader` only the stage's
+    tensors (its layers; the embedding on the first stage; the final norm and head, or a tied
+    embedding's copy, on the last) and only this rank's slices of the tensor-parallel ones."""
+    _check_tp(cfg, tp_size)
+    layers = stage_layers(cfg.num_layers, pp_rank, pp_size)
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    out: dict[str, torch.Tensor] = {}
+    if first:
+        out[EMBED] = _read_vocab_rows(reader, HF_EMBED, cfg, tp_rank, tp_size)
+    if last:
+        out[FINAL_NORM] = reader.read(HF_NORM)
+        if not cfg.tie_word_embeddings:
+            out[OUTPUT] = _read_vocab_rows(reader, HF_HEAD, cfg, tp_rank, tp_size)
+        elif not first:
+            out[OUTPUT] = _read_vocab_rows(reader, HF_EMBED, cfg, tp_rank, tp_size)
+    for i in layers:
+        for key, value in _read_layer(reader, cfg, i, tp_rank, tp_size).items():
+            out[_renumber(key, -layers.start)] = value
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def hf_to_megatron(

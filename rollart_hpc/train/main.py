@@ -6,7 +6,10 @@ wait for START (the initial model), warm-start with supervised steps on oracle d
 warm model (first trainer), report READY; the first trainer then opens the weight sender
 (`rollart_hpc.weights.transport`). Loop: BATCH (this rank's shard of step n) -> `rl_step` -> the first
 trainer's sender announces version n+1 to the rollout ranks (WEIGHTS over MPI) and starts the bucketed
-broadcast in the background (the next step does not wait for it); it reports TRAINED to the controller. STOP ends the loop after the last publication.
+broadcast: the sender holds at most two buckets in flight (never a model-sized buffer), so the step
+returns once all but the last two buckets are delivered, and those finish in the background (the next
+step does not wait for them); it reports TRAINED to the controller. STOP ends the loop after the last
+publication.
 Weights are published in the training dtype (`trainer.precision`: bf16 halves the bytes); each step's
 report (a metrics.jsonl row) carries `weights_bytes`, the tensor bytes of the version it published.
 """
@@ -153,7 +156,7 @@ def publish(trainer: Trainer, sender: WeightPublisher | None, version: int) -> N
     replica calls this). At every layout the weights are converted (and, under tensor or pipeline
     parallelism, gathered) one unit at a time (`Trainer.hf_units`), each unit packed into the send
     buckets as it comes and each bucket on the wire as soon as it is complete: no whole-model copy, and
-    the whole model never meets on one rank outside the send buckets."""
+    the sender holds its bounded ring of send buckets only (`WeightPublisher`)."""
     if sender is not None:
         sender.publish_stream(version, trainer.hf_units())
     else:

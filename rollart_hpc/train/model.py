@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 
-from rollart_hpc.models.checkpoint import load_weights
+from rollart_hpc.models.checkpoint import CheckpointReader
 from rollart_hpc.models.config import ModelConfig, load_config
 from rollart_hpc.train.convert import (
     check_tensor_parallel,
     hf_to_megatron,
     megatron_args,
+    read_stage,
     stage_layers,
     to_stage,
 )
@@ -208,10 +209,19 @@ def load_megatron_weights(model: Any, weights: dict[str, torch.Tensor]) -> None:
 
 
 def shard_weights(hf: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout) -> dict[str, torch.Tensor]:
-    """Full HF weights -> the Megatron state dict of this rank's tensor shard and pipeline stage."""
+    """Full HF weights held in memory -> the Megatron state dict of this rank's tensor shard and pipeline
+    stage (`read_shard` reads the same from a directory without holding the full weights)."""
     full = hf_to_megatron(hf, cfg, layout.tp_rank, layout.tp_size)
     layers = stage_layers(cfg.num_layers, layout.pp_rank, layout.pp_size)
     return to_stage(full, layers, layout.first_stage, layout.last_stage, cfg.tie_word_embeddings)
+
+
+def read_shard(model_dir: str | Path, cfg: ModelConfig, layout: Layout) -> dict[str, torch.Tensor]:
+    """The Megatron state dict of this rank's tensor shard and pipeline stage, read from the HF directory
+    (single file or sharded) tensor by tensor: only the stage's tensors and this rank's slices of the
+    split ones reach host memory (`convert.read_stage`), never a full copy of the weights."""
+    with CheckpointReader(model_dir, cfg) as reader:
+        return read_stage(reader, cfg, layout.tp_rank, layout.tp_size, layout.pp_rank, layout.pp_size)
 
 
 def gpt_from_hf(
@@ -224,9 +234,10 @@ def gpt_from_hf(
     recompute: str = "none",
 ) -> tuple[Any, ModelConfig]:
     """Build this rank's GPTModel shard of an HF directory in `precision` and load its weights (cast to
-    the parameter dtype); return (model, config)."""
+    the parameter dtype), reading only this rank's shard of the checkpoint (`read_shard`); return
+    (model, config)."""
     layout = layout or Layout(1, 0, 1, 0, 1, 0)
     cfg = load_config(model_dir)
     model = build_gpt(cfg, device, layout, sequence_parallel, precision, attention, recompute)
-    load_megatron_weights(model, shard_weights(load_weights(model_dir, cfg), cfg, layout))
+    load_megatron_weights(model, read_shard(model_dir, cfg, layout))
     return model, cfg

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from rollart_hpc.algo.loss import SUMMED_DIAGNOSTICS, LossConfig, policy_loss
 from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.kernels.token_loss import action_tokens_per_sequence
+from rollart_hpc.models.checkpoint import ShardWriter
 from rollart_hpc.models.config import ModelConfig
 from rollart_hpc.train import checkpoint, comm, parallel
 from rollart_hpc.train.batch import (
@@ -54,7 +55,7 @@ from rollart_hpc.train.gather import gather_hf_units
 from rollart_hpc.train.lm_head import token_entropy, token_logprobs_entropy
 from rollart_hpc.train.model import Layout, ensure_model_parallel, gpt_from_hf
 
-HF_WEIGHTS = "model.safetensors"
+HF_SHARD_BYTES = 2 << 30  # the largest safetensors file `save_hf` writes
 HF_MARKER = "COMPLETE"
 RL_METRICS = SUMMED_DIAGNOSTICS  # the policy-loss diagnostics the RL step reports (summed over replicas)
 # The RL step's largest |log pi_old - log pi_behaviour| over action tokens (reduced by max, not summed):
@@ -514,7 +515,8 @@ class Trainer:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """A snapshot of the weights under HF names and shapes (no `lm_head.weight` when tied), the union
         of `hf_units()` (the tensors that share storage with the model copied): the whole model on
-        trainer rank 0, {} on every other rank. All ranks call it together."""
+        trainer rank 0, {} on every other rank. All ranks call it together. A whole-model copy, for
+        inspection and tests: publication and `save_hf` stream `hf_units()` instead."""
         live = {p.untyped_storage().data_ptr() for p in self.gpt.parameters()}
         return {
             name: t.clone() if t.untyped_storage().data_ptr() in live else t
@@ -544,26 +546,28 @@ class Trainer:
         pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
         yield from gather_hf_units(state, cfg, lay, tp_group, pp_ranks)
 
-    def save_hf(self, directory: str | Path) -> Path:
+    def save_hf(self, directory: str | Path, shard_bytes: int = HF_SHARD_BYTES) -> Path:
         """Write an HF model directory (safetensors + the source's config and tokenizer files) atomically:
-        a temp dir, a rename, then the `COMPLETE` marker. All ranks call it; trainer rank 0 writes."""
-        from safetensors.torch import save_file
-
+        a temp dir, a rename, then the `COMPLETE` marker. All ranks call it; trainer rank 0 writes the
+        units as they are gathered (`hf_units`) into files of at most `shard_bytes` (`ShardWriter`: one
+        `model.safetensors`, or shards with `model.safetensors.index.json`), so it holds one file's
+        tensors at most, never the whole model."""
         final = Path(directory).absolute()
-        weights = self.hf_state_dict()
-        if comm.rank() != 0:
+        writer = None
+        if comm.rank() == 0:
+            tmp = final.with_name(f".{final.name}.tmp")
+            for stale in (tmp, final):
+                if stale.exists():
+                    shutil.rmtree(stale)
+            shutil.copytree(self.model_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors*", HF_MARKER))
+            writer = ShardWriter(tmp, shard_bytes)
+        for unit in self.hf_units():
+            if writer is not None:
+                writer.add(unit)
+        if writer is None:
             return final
-        tmp = final.with_name(f".{final.name}.tmp")
-        for stale in (tmp, final):
-            if stale.exists():
-                shutil.rmtree(stale)
-        shutil.copytree(self.model_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors*", HF_MARKER))
-        save_file(
-            {k: v.cpu().contiguous() for k, v in weights.items()},
-            str(tmp / HF_WEIGHTS),
-            metadata={"format": "pt"},
-        )
-        tmp.rename(final)
+        writer.close()
+        writer.folder.rename(final)
         atomic_write_json(final / HF_MARKER, {"step": self.step})
         return final
 

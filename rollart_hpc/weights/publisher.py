@@ -3,22 +3,29 @@
 Dataflow of one version (round r, counted from 1 on every member):
 1. publisher: `publish(version, named)` waits for round r-1 to finish (one version in flight), marks its
    arrival, issues the header broadcast (magic, version, number of buckets, layout fingerprint, checksum
-   flag), then packs bucket by bucket into its send buffers (allocated once, reused by every version),
-   issuing each bucket's broadcast as soon as it is packed (assembly overlaps the wire). It returns once
-   every bucket is packed: that is the snapshot, so the caller may change its tensors at once (on GPU the
-   copies are queued on the current stream, which the NCCL broadcasts wait for). A background thread waits
-   for the broadcasts with the group timeout, then (when enabled) computes per-bucket checksums and
-   broadcasts them. With `snapshot=False` the round's start (arrival mark, header) and the packing move into
-   that thread too and `publish` returns at once; a bucket that holds one contiguous tensor alone (a tensor
-   larger than a bucket, or any tensor of at least `direct_bytes` of the layout: `buckets.lone_slot`) is
-   then not packed at all but broadcast straight from the caller's tensor, so the large tensors cost no copy
-   on the sending side. The caller must not change its tensors until `wait_packed()` returns (e.g. it runs
-   its next forward and backward meanwhile and waits before the optimizer step); with direct sends that is
-   when their broadcasts have ended. `publish_stream(version, chunks)` takes the tensors as a sequence of
-   chunks instead (a model-parallel trainer gathers one unit at a time, so no rank holds the whole model
-   twice): each chunk is packed into its slots as it comes, and each bucket's broadcast is issued as soon as
-   it and every bucket before it are complete; it returns once the last chunk is packed (a snapshot, as
-   above).
+   flag), then packs bucket by bucket, issuing each bucket's broadcast as soon as it is packed (assembly
+   overlaps the wire). The sender's buffers are bounded: at most `depth` (default 2) bucket broadcasts are
+   in flight, each shared bucket packed into one of a ring of `depth` send buffers (as large as the
+   largest shared bucket, at most the layout's `bucket_bytes`; allocated on first use, reused by every
+   version), so packing bucket i+depth first waits for bucket i's broadcast to end. A lone bucket (one
+   contiguous tensor alone: a tensor larger than a bucket, or one of at least `direct_bytes`:
+   `buckets.lone_slot`) is broadcast straight from the caller's tensor where the sender may (below) and
+   else from a transient copy of that one tensor, freed when its broadcast ends. So the sender never holds
+   more than `depth` x max(bucket_bytes, largest tensor) of buffers (`peak_bytes`), never the model.
+   `publish` returns once every bucket is packed, that is once all but the last `depth` buckets are
+   delivered: that is the snapshot, so the caller may change its tensors at once (on GPU the copies are
+   queued on the current stream, which the NCCL broadcasts wait for). A background thread waits for the
+   remaining broadcasts with the group timeout, then (when enabled) broadcasts the per-bucket checksums
+   (each computed as its bucket was issued). With `snapshot=False` the round's start (arrival mark, header)
+   and the packing move into that thread too and `publish` returns at once; lone buckets are then sent
+   from the caller's tensors (on the group's device), so the large tensors cost no copy on the sending
+   side. The caller must not change its tensors until `wait_packed()` returns (e.g. it runs its next
+   forward and backward meanwhile and waits before the optimizer step); with direct sends that is when
+   their broadcasts have ended. `publish_stream(version, chunks)` takes the tensors as a sequence of chunks
+   instead (a model-parallel trainer gathers one unit at a time, so no rank holds the whole model twice):
+   it keeps each chunk's tensors until their bucket and every bucket before it are complete, then packs
+   and issues that bucket (a lone one straight from its tensor); it returns once the last chunk is packed
+   and every direct send has ended (a snapshot, as above).
 2. receiver: `receive(on_bucket, into)` marks its arrival, takes part in the header broadcast, checks the
    header against its layout, then keeps at most `depth` (default 2) bucket broadcasts in flight, each
    landing in one of a ring of `depth` receive buffers (allocated on first use, as large as the largest
@@ -37,12 +44,14 @@ Dataflow of one version (round r, counted from 1 on every member):
    double-buffered consumer.
 
 Who waits on whom: every wait on a broadcast is bounded by the group timeout and names the peers on
-timeout (`StandaloneGroup.wait`); `wait_packed` waits only for local copies. If `on_bucket` raises, the
+timeout (`StandaloneGroup.wait`); packing waits for a send buffer to come free, so `publish`,
+`publish_stream` and `wait_packed` wait (bounded) on the receivers of the buckets `depth` back. If `on_bucket` raises, the
 receiver still takes part (bounded) in the remaining broadcasts of the version (buckets, checksums), then
 re-raises, so no broadcast of that version is left writing into its buffers and the stream stays aligned.
 
-Errors: a publisher-side failure (timeout naming the silent receiver, checksum broadcast) is kept by the
-background thread and raised by the next `publish()`, `wait()` or `wait_packed()`. After any error the group is broken.
+Errors: a publisher-side failure (timeout naming the silent receiver, checksum broadcast) is raised by
+`publish`/`publish_stream` while they pack, or kept by the background thread and raised by the next
+`publish()`, `wait()` or `wait_packed()`. After any error the group is broken.
 
 The notification ("version n is coming"): a publisher built with `announce` calls it with each version
 after the previous version was delivered and before the new one's header (in a run, a WEIGHTS message
@@ -55,8 +64,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -67,7 +77,6 @@ from rollart_hpc.weights.buckets import (
     check_matches,
     dtype_name,
     lone_slot,
-    pack_bucket,
     slot_view,
     tensor_bytes,
 )
@@ -99,8 +108,20 @@ def _device_for(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
+class _Flight(NamedTuple):
+    """A bucket broadcast in flight: its work, its description, the ring buffer it holds (or None), the
+    transient copy of a lone bucket it holds (or None), whether it reads a caller's tensor directly."""
+
+    work: Any
+    what: str
+    ring: int | None
+    copy: torch.Tensor | None
+    direct: bool
+
+
 class WeightPublisher:
-    """The sending side; see the module docstring for the protocol and the snapshot rule."""
+    """The sending side; see the module docstring for the protocol, the snapshot rule and the bound on
+    its buffers (`depth` bucket broadcasts in flight at most)."""
 
     def __init__(
         self,
@@ -108,26 +129,45 @@ class WeightPublisher:
         layout: BucketLayout,
         checksum: bool = False,
         announce: Announce | None = None,
+        depth: int = 2,
     ) -> None:
+        if depth < 1:
+            raise ValueError(f"send depth must be at least 1, got {depth}")
         self.group = group
         self.announce = announce
         self.layout = share_layout(group, layout, group.member)
         self.checksum = checksum
+        self.depth = depth
         self.device = _device_for(group.backend)
         self._lone = [lone_slot(self.layout, index) for index in range(self.layout.num_buckets)]
-        # Send buffers, allocated once; a lone-tensor bucket's buffer only when it is first packed (a
-        # publisher that always hands over its tensors never needs it).
-        self.buckets = [
-            torch.empty(0 if lone else nbytes, dtype=torch.uint8, device=self.device)
-            for lone, nbytes in zip(self._lone, self.layout.bucket_nbytes, strict=True)
-        ]
-        self._sent: list[torch.Tensor] = list(self.buckets)  # what each bucket's last broadcast sent
+        self._slots: list[list[TensorSlot]] = [[] for _ in range(self.layout.num_buckets)]
+        for slot in self.layout.slots:
+            self._slots[slot.bucket].append(dataclasses.replace(slot, bucket=0))
+        # The send ring: `depth` buffers as large as the largest shared bucket, allocated on first use and
+        # reused by every version. A lone bucket is sent from the caller's tensor where it can be, else
+        # from a transient copy of that one tensor, freed once its broadcast has ended.
+        self._ring_nbytes = max(
+            (n for n, lone in zip(self.layout.bucket_nbytes, self._lone, strict=True) if lone is None),
+            default=0,
+        )
+        self._ring: list[torch.Tensor | None] = [None] * depth
+        self._free = list(range(depth))
+        self._flights: deque[_Flight] = deque()
+        self._copy_bytes = 0
+        self.peak_bytes = 0  # the most send-buffer bytes (ring and transient copies) held at once
+        self._sums: list[int] = []
         self.direct_sends = 0  # buckets sent straight from a caller's tensor, over all versions
         self.round = 0
+        self._header_work: tuple[Any, str] | None = None
         self._thread: threading.Thread | None = None
         self._error: Exception | None = None
         self._packed = threading.Event()
         self._packed.set()
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The send-buffer bytes held now: the ring's buffers and the transient lone-bucket copies."""
+        return sum(b.numel() for b in self._ring if b is not None) + self._copy_bytes
 
     def publish(
         self,
@@ -136,53 +176,51 @@ class WeightPublisher:
         *,
         snapshot: bool = True,
     ) -> None:
-        """Start broadcasting `named` as `version`; returns before delivery (see the module docstring).
+        """Start broadcasting `named` as `version` (see the module docstring).
 
-        `snapshot=True`: returns once `named` is packed into the send buckets (the caller may change its
-        tensors at once). `snapshot=False`: returns at once; the round's start (arrival mark, header) and
-        the packing run in the background thread; the caller leaves its tensors unchanged until
-        `wait_packed()` (or `wait()`) returns."""
+        `snapshot=True`: returns once every bucket is packed (the caller may change its tensors at once),
+        that is once all but the last `depth` buckets are delivered. `snapshot=False`: returns at once;
+        the round's start (arrival mark, header) and the packing run in the background thread; the caller
+        leaves its tensors unchanged until `wait_packed()` (or `wait()`) returns."""
         self.wait()
         if self.announce is not None:
             self.announce(version)
         tensors = dict(named.items() if isinstance(named, Mapping) else named)
         check_matches(self.layout, tensors)
         self._packed.clear()
-        header: torch.Tensor | None = None
-        works: list[tuple[Any, str]] | None = None
         if snapshot:
             try:
-                header, works = self._start_round(version)
-                works += self._pack_and_issue(version, tensors, direct=False)[0]
+                self._start_round(version)
+                for index in range(self.layout.num_buckets):
+                    self._issue(version, index, tensors, direct=False)
+            except BaseException:
+                self._abandon()
+                raise
             finally:
                 self._packed.set()
         pending = None if snapshot else tensors
         self._thread = threading.Thread(
-            target=self._finish,
-            args=(version, pending, works, header),
-            name=f"weights-v{version}",
-            daemon=True,
+            target=self._finish, args=(version, pending), name=f"weights-v{version}", daemon=True
         )
         self._thread.start()
 
     def publish_stream(self, version: int, chunks: Iterable[Mapping[str, torch.Tensor]]) -> None:
         """Start broadcasting `version` from `chunks` of named tensors (together exactly the layout's names,
-        in any order); see the module docstring. Returns once every chunk is packed."""
+        in any order); see the module docstring. Returns once every chunk is packed or sent."""
         self.wait()
         if self.announce is not None:
             self.announce(version)
-        header, works = self._start_round(version)
-        missing = [0] * self.layout.num_buckets
-        for slot in self.layout.slots:
-            missing[slot.bucket] += 1
+        self._start_round(version)
+        missing = [len(slots) for slots in self._slots]
         slots = {entry.name: entry for entry in self.layout.slots}
-        packed: set[str] = set()
+        pending: dict[str, torch.Tensor] = {}  # the caller's tensors of buckets not yet complete
+        seen: set[str] = set()
         issued = 0
         try:
             for chunk in chunks:
                 for name, tensor in chunk.items():
                     place = slots.get(name)
-                    if place is None or name in packed:
+                    if place is None or name in seen:
                         raise WeightSyncError(
                             f"weights v{version}: {name!r} is not in the layout or comes twice"
                         )
@@ -191,26 +229,30 @@ class WeightPublisher:
                             f"weights v{version}: {name} is {tuple(tensor.shape)} {dtype_name(tensor.dtype)}, "
                             f"the layout has {place.shape} {place.dtype}"
                         )
-                    self._buffer(place.bucket)
-                    slot_view(place, self.buckets).copy_(tensor.detach())
-                    packed.add(name)
+                    pending[name] = tensor
+                    seen.add(name)
                     missing[place.bucket] -= 1
                 while issued < self.layout.num_buckets and missing[issued] == 0:
-                    self._sent[issued] = self._wire(issued)
-                    work = self.group.start_broadcast(self._sent[issued], self.group.member)
-                    works.append((work, f"weights v{version} bucket {issued}/{self.layout.num_buckets}"))
+                    self._issue(version, issued, pending, direct=True)
+                    for slot in self._slots[issued]:
+                        del pending[slot.name]
                     issued += 1
             if issued < self.layout.num_buckets:
-                absent = sorted(set(slots) - packed)[:3]
+                absent = sorted(set(slots) - seen)[:3]
                 raise WeightSyncError(f"weights v{version}: the chunks left out {absent}")
+            while any(flight.direct for flight in self._flights):  # a snapshot: the caller's tensors are free
+                self._retire()
+        except BaseException:
+            self._abandon()
+            raise
         finally:
             self._packed.set()
         self._thread = threading.Thread(
-            target=self._finish, args=(version, None, works, header), name=f"weights-v{version}", daemon=True
+            target=self._finish, args=(version, None), name=f"weights-v{version}", daemon=True
         )
         self._thread.start()
 
-    def _start_round(self, version: int) -> tuple[torch.Tensor, list[tuple[Any, str]]]:
+    def _start_round(self, version: int) -> None:
         """Begin a version: the next round, its arrival mark, the header broadcast; packing starts."""
         self.round += 1
         self.group.mark_arrival(self.round)
@@ -220,70 +262,101 @@ class WeightPublisher:
             device=self.device,
         )
         self._packed.clear()
-        return header, [(self.group.start_broadcast(header, self.group.member), f"weights v{version} header")]
+        self._sums = []
+        self._header = header  # alive until its broadcast ends
+        self._header_work = (
+            self.group.start_broadcast(header, self.group.member),
+            f"weights v{version} header",
+        )
 
-    def _buffer(self, index: int) -> torch.Tensor:
-        """Bucket `index`'s send buffer, allocated on first use."""
-        if self.buckets[index].numel() != self.layout.bucket_nbytes[index]:
-            self.buckets[index] = torch.empty(
-                self.layout.bucket_nbytes[index], dtype=torch.uint8, device=self.device
-            )
-        return self.buckets[index]
+    def _wait_header(self) -> None:
+        if self._header_work is not None:
+            (work, what), self._header_work = self._header_work, None
+            self.group.wait(work, self.group.member, what, self.round)
 
-    def _wire(self, index: int) -> torch.Tensor:
-        """What bucket `index`'s broadcast sends: its buffer, only the tensor's bytes for a lone bucket."""
+    def _retire(self) -> None:
+        """Wait for the oldest bucket broadcast in flight (the header first) and release what it held."""
+        self._wait_header()
+        flight = self._flights.popleft()
+        self.group.wait(flight.work, self.group.member, flight.what, self.round)
+        if flight.ring is not None:
+            self._free.append(flight.ring)
+        if flight.copy is not None:
+            self._copy_bytes -= flight.copy.numel()
+
+    def _abandon(self) -> None:
+        """Forget the broadcasts of a failed round (the group is broken; see the module docstring)."""
+        self._flights.clear()
+        self._header_work = None
+        self._free = list(range(self.depth))
+        self._copy_bytes = 0
+
+    def _hold(self, nbytes: int) -> torch.Tensor:
+        """A transient copy buffer for one lone bucket, counted until its broadcast ends."""
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._copy_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        return buffer
+
+    def _ring_buffer(self, index: int) -> torch.Tensor:
+        buffer = self._ring[index]
+        if buffer is None:
+            buffer = self._ring[index] = torch.empty(self._ring_nbytes, dtype=torch.uint8, device=self.device)
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        return buffer
+
+    def _issue(self, version: int, index: int, tensors: Mapping[str, torch.Tensor], direct: bool) -> bool:
+        """Issue bucket `index`'s broadcast once fewer than `depth` are in flight: packed from `tensors`
+        into a free ring buffer, or, for a lone bucket, sent straight from its tensor (`direct`, on the
+        group's device and contiguous) or from a transient copy. Returns whether it was sent directly."""
+        while len(self._flights) >= self.depth:
+            self._retire()
         lone = self._lone[index]
-        return self._buffer(index) if lone is None else self._buffer(index)[: lone.nbytes]
+        ring, copy, wire = None, None, None
+        if lone is not None and direct and tensors[lone.name].device == self.device:
+            wire = tensor_bytes(tensors[lone.name])
+        if wire is not None:
+            self.direct_sends += 1
+        elif lone is not None:
+            wire = copy = self._hold(lone.nbytes)
+            slot_view(self._slots[index][0], [copy]).copy_(tensors[lone.name].detach())
+        else:
+            ring = self._free.pop(0)
+            buffer = self._ring_buffer(ring)
+            for slot in self._slots[index]:
+                if slot.nbytes:
+                    slot_view(slot, [buffer]).copy_(tensors[slot.name].detach())
+            wire = buffer[: self.layout.bucket_nbytes[index]]
+        if self.checksum:
+            self._sums.append(bucket_checksum(wire))
+        what = f"weights v{version} bucket {index}/{self.layout.num_buckets}"
+        is_direct = ring is None and copy is None
+        self._flights.append(
+            _Flight(self.group.start_broadcast(wire, self.group.member), what, ring, copy, is_direct)
+        )
+        return is_direct
 
-    def _pack_and_issue(
-        self, version: int, tensors: Mapping[str, torch.Tensor], direct: bool
-    ) -> tuple[list[tuple[Any, str]], bool]:
-        """Pack bucket by bucket into the send buffers, issuing each broadcast as soon as it is packed;
-        with `direct`, a lone-tensor bucket is sent from the tensor itself. Returns the works and
-        whether any bucket was sent directly (the caller's tensors are then in use until they end)."""
-        works, any_direct = [], False
-        for index, slot in enumerate(self._lone):
-            wire = None
-            if direct and slot is not None and tensors[slot.name].device == self.device:
-                wire = tensor_bytes(tensors[slot.name])
-            if wire is None:
-                self._buffer(index)
-                pack_bucket(self.layout, index, tensors, self.buckets)
-                wire = self._wire(index)
-            else:
-                any_direct = True
-                self.direct_sends += 1
-            self._sent[index] = wire
-            work = self.group.start_broadcast(wire, self.group.member)
-            works.append((work, f"weights v{version} bucket {index}/{self.layout.num_buckets}"))
-        return works, any_direct
-
-    def _finish(
-        self,
-        version: int,
-        pending: Mapping[str, torch.Tensor] | None,
-        works: list[tuple[Any, str]] | None,
-        header: torch.Tensor | None,
-    ) -> None:
+    def _finish(self, version: int, pending: Mapping[str, torch.Tensor] | None) -> None:
         try:
-            if works is None:  # deferred: the round starts here, off the caller's thread
-                header, works = self._start_round(version)
-            if pending is not None:
-                issued, any_direct = self._pack_and_issue(version, pending, direct=True)
-                works += issued
+            if pending is not None:  # deferred: the round starts and is packed here, off the caller's thread
+                self._start_round(version)
+                any_direct = False
+                for index in range(self.layout.num_buckets):
+                    any_direct |= self._issue(version, index, pending, direct=True)
                 if not any_direct:
                     self._packed.set()
-            for work, what in works:
-                self.group.wait(work, self.group.member, what, self.round)
+            self._wait_header()
+            while self._flights:
+                self._retire()
             self._packed.set()
             if self.checksum:
-                sums = torch.tensor([bucket_checksum(b) for b in self._sent], dtype=torch.int64)
+                sums = torch.tensor(self._sums, dtype=torch.int64)
                 self.group.broadcast(sums.to(self.device), self.group.member, f"weights v{version} checksums")
         except Exception as exc:  # not swallowed: re-raised in the caller's thread by wait()/publish()
             self._error = exc
+            self._abandon()
         finally:
             self._packed.set()
-        assert header is None or header.numel() == HEADER_LEN  # alive until its broadcast ends
 
     def wait_packed(self) -> None:
         """Block until the version in flight is packed into the send buckets (its tensors may change);

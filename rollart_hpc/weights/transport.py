@@ -5,7 +5,8 @@ Sending side (`WeightPublisher`, built by `open_publisher`): `publish_stream(ver
 the previous version was delivered (one version in flight), announces `version` to every receiver (the
 `announce` callback: in a run, a WEIGHTS message on the mailbox from `announce_to`, so an idle rollout
 rank knows a broadcast is coming), packs the units into its send buckets as they come, each bucket on
-the wire as soon as it is complete, and returns once packed; delivery finishes in the background.
+the wire as soon as it is complete, and returns once packed (all but the last `depth` buckets delivered:
+the sender holds `depth` bucket buffers, never the model); delivery finishes in the background.
 `wait()` blocks until the version in flight is delivered and re-raises a background failure (a receiver
 that never joins: `PeerTimeoutError` naming it).
 
@@ -79,10 +80,12 @@ def open_publisher(
     announce: Announce | None = None,
     checksum: bool = False,
     direct_mb: float = 0.0,
+    depth: int = 2,
 ) -> WeightPublisher:
     """Collective with every receiver's `WeightReceiver(group)`: share the bucket layout of
     `named_tensors` (names, shapes, dtypes; contents are not read) in buckets of `bucket_mb` MiB, tensors
-    of at least `direct_mb` MiB in buckets of their own (0: none; `buckets.plan_layout`)."""
+    of at least `direct_mb` MiB in buckets of their own (0: none; `buckets.plan_layout`); at most `depth`
+    bucket broadcasts in flight, so the sender's buffers are `depth` buckets, never the model."""
     named = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
     layout = layout_for(named.items(), int(bucket_mb * 2**20), int(direct_mb * 2**20) or None)
-    return WeightPublisher(group, layout, checksum=checksum, announce=announce)
+    return WeightPublisher(group, layout, checksum=checksum, announce=announce, depth=depth)
