@@ -24,7 +24,7 @@ PACKAGE = "rollart_hpc"
 ROLES = ("controller", "envs", "rollout", "reward", "train")
 LIBRARIES = (
     "contracts", "config", "kernels", "algo", "tasks", "inference", "routing", "models", "weights", "store",
-    "metrics", "cluster", "plan", "api",
+    "metrics", "cluster", "plan", "api", "sweep",
 )  # fmt: skip
 TOP = ("entry", "bench", "sim")
 # Units that must stay free of MPI and torch.distributed (pure logic, testable without a world).
