@@ -26,7 +26,7 @@ LIBRARIES = (
     "contracts", "config", "kernels", "algo", "tasks", "inference", "routing", "models", "weights", "store",
     "metrics", "cluster", "plan", "api", "sweep",
 )  # fmt: skip
-TOP = ("entry", "bench", "sim")
+TOP = ("entry", "bench", "sim", "chaos")
 # Units that must stay free of MPI and torch.distributed (pure logic, testable without a world).
 NO_DISTRIBUTED = ("algo", "config")
 # Folder -> the package name it is installed as.
