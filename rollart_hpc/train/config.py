@@ -14,7 +14,16 @@ from rollart_hpc.config.learning import (
     check_trainer_fields,
 )
 
-__all__ = ["ATTENTION_IMPLS", "LOSS_IMPLS", "PRECISIONS", "RECOMPUTE_MODES", "OptimConfig", "TrainerConfig"]
+__all__ = [
+    "ATTENTION_IMPLS",
+    "LOSS_IMPLS",
+    "OPTIM_FROM_SECTION",
+    "PRECISIONS",
+    "RECOMPUTE_MODES",
+    "TRAINER_FROM_SECTION",
+    "OptimConfig",
+    "TrainerConfig",
+]
 
 
 @dataclass(frozen=True)
