@@ -24,9 +24,12 @@ PACKAGE = "rollart_hpc"
 ROLES = ("controller", "envs", "rollout", "reward", "train")
 LIBRARIES = (
     "contracts", "config", "kernels", "algo", "tasks", "inference", "routing", "models", "weights", "store",
-    "metrics", "cluster", "plan", "api",
+    "metrics", "cluster", "plan", "api", "sweep",
 )  # fmt: skip
-TOP = ("entry", "bench", "sim")
+TOP = ("entry", "bench", "sim", "chaos")
+# The commands: each parses its arguments and calls a library (or top-layer) function. Nothing else in the
+# package imports them (`launch.py` and the tests, outside the package, may).
+COMMANDS = "entry"
 # Units that must stay free of MPI and torch.distributed (pure logic, testable without a world).
 NO_DISTRIBUTED = ("algo", "config")
 # Folder -> the package name it is installed as.
@@ -179,6 +182,16 @@ def layer_violations(graph: dict[str, dict[str, list[Edge]]]) -> list[str]:
     return bad
 
 
+def command_importers(graph: dict[str, dict[str, list[Edge]]]) -> list[str]:
+    """Imports of the command unit from any other unit (a bench or library reaching into a command)."""
+    return [
+        f"{a} imports the commands: {es[0]}"
+        for a, t in sorted(graph.items())
+        for b, es in t.items()
+        if b == COMMANDS
+    ]
+
+
 def external_imports(unit_name: str, prefixes: tuple[str, ...]) -> list[str]:
     """`path:line imports X` for every import in `unit_name` of a module named by one of `prefixes`."""
     found = []
@@ -257,6 +270,17 @@ def test_layer_check_names_a_role_importing_a_role():
     ]
 
 
+def test_command_check_names_a_unit_importing_a_command():
+    edges = [
+        Edge(REPO / "a.py", 4, "rollart_hpc.bench.e2e", "rollart_hpc.entry.sweep"),
+        Edge(REPO / "b.py", 2, "rollart_hpc.entry.sweep", "rollart_hpc.sweep.grid"),
+        Edge(REPO / "c.py", 8, "rollart_hpc.entry.cli", "rollart_hpc.entry.sweep"),
+    ]
+    assert command_importers(unit_graph(edges)) == [
+        "bench imports the commands: a.py:4 imports rollart_hpc.entry.sweep"
+    ]
+
+
 def test_every_package_is_installed():
     import tomllib
 
@@ -292,6 +316,11 @@ def test_every_unit_has_a_declared_layer():
 def test_roles_are_peers_and_libraries_import_no_role():
     bad = layer_violations(_graph())
     assert not bad, "the layers are roles side by side over libraries:\n" + "\n".join(bad)
+
+
+def test_nothing_outside_the_commands_imports_them():
+    bad = command_importers(_graph())
+    assert not bad, "only launch.py and the tests import rollart_hpc.entry:\n" + "\n".join(bad)
 
 
 def test_rollout_and_train_never_import_each_other():

@@ -64,7 +64,7 @@ def _worker(model_dir: str, out: str, store: str, mode: str) -> None:
 
 
 def _run(num_ranks: int, model_dir: Path, out: Path, mode: str) -> subprocess.CompletedProcess[str]:
-    from rollart_hpc.entry.launcher import mpi_environment
+    from rollart_hpc.cluster.mpiexec import mpi_environment
 
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     cmd = [mpiexec, "-n", str(num_ranks), "--oversubscribe", sys.executable, __file__]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from test_store_trajectories import make_traj
 
-from rollart_hpc.entry import chaos
+from rollart_hpc.chaos import trials as chaos
 from rollart_hpc.rollout.resilient import (
     ENGINE_FAULT_SIGNAL,
     FaultInjector,
@@ -28,9 +28,7 @@ TINY = REPO / "configs" / "tiny.toml"
 
 
 def _setup(*overrides):
-    parser = chaos.argparse.ArgumentParser()
-    chaos.add_arguments(parser)
-    return chaos.make_setup(parser.parse_args([str(TINY), *overrides, "--json", "x.json"]))
+    return chaos.make_setup(TINY, overrides, 3, 900.0)
 
 
 def test_fault_plans_follow_the_seed_and_cover_every_rank_role():
@@ -199,3 +197,14 @@ def test_the_fraction_of_a_step_is_measured_on_the_run_clock():
     assert chaos.last_step_s([{"wall_s": 0.8}]) == 0.8
     assert chaos.last_step_s([{"wall_s": 1.0}, {"wall_s": 99.0}]) == 10.0
     assert chaos.last_step_s([{"version": 1}]) == 1.0
+
+
+def test_the_command_refuses_bad_counts_in_one_line(tmp_path, capsys):
+    from rollart_hpc.entry.cli import main as cli_main
+
+    argv = ["chaos", str(TINY), "--json", str(tmp_path / "x.json"), "--work-dir", str(tmp_path / "w")]
+    assert cli_main([*argv, "--trials", "0"]) == 2
+    assert cli_main([*argv, "--max-restarts", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["error: --trials and --max-restarts must be >= 1"] * 2, err
+    assert not (tmp_path / "w").exists()

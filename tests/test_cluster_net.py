@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 
 from rollart_hpc.cluster.env import interface_address, store_host
+from rollart_hpc.cluster.mpiexec import mpi_environment
 from rollart_hpc.cluster.torchdist import store_address
 from rollart_hpc.config.loader import apply_overrides, build
 from rollart_hpc.config.schema import Config, NetConfig
 from rollart_hpc.contracts.errors import UsageError
-from rollart_hpc.entry.launcher import mpi_environment
 
 REPO = Path(__file__).resolve().parent.parent
 UNKNOWN = "nosuchif0"

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from rollart_hpc.entry import compare
 from rollart_hpc.entry.cli import main as cli_main
+from rollart_hpc.sweep import compare
 
 
 def _rows(train: list[float], evals: dict[int, float]) -> list[dict[str, Any]]:

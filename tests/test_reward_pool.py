@@ -46,7 +46,7 @@ def test_pool_scores_concurrently_and_skips_failed() -> None:
         _traj("frozenlake/4x4", ["left"], won=False),
         _traj("household/002", ["x"], won=True, status="failed"),
     ]
-    pool = RewardPool(RewardPoolConfig(num_workers=2))
+    pool = RewardPool(RewardPoolConfig(max_workers=2))
     scored = asyncio.run(pool.score_many(trajs))
     assert [(t.reward, t.success) for t in scored] == [(1.0, True), (1.0, True), (0.0, False), (0.0, False)]
     assert pool.num_scored == 3
@@ -62,7 +62,7 @@ def test_pool_runs_in_parallel_and_scales_to_zero(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setitem(REWARD_FNS, "slow", slow)
     pool = RewardPool(
-        RewardPoolConfig(num_workers=3, idle_shutdown_s=0.0, fn_for_family={"frozenlake": "slow"})
+        RewardPoolConfig(max_workers=3, idle_shutdown_s=0.0, fn_for_family={"frozenlake": "slow"})
     )
     scored = asyncio.run(pool.score_many([_traj("frozenlake/4x4", ["up"]) for _ in range(3)]))
     assert [t.reward for t in scored] == [0.5, 0.5, 0.5]

@@ -34,7 +34,7 @@ def _flaky(num_failures: int) -> tuple[list[int], object]:
 def test_a_failing_reward_call_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
     calls, flaky = _flaky(2)
     monkeypatch.setitem(REWARD_FNS, "flaky", flaky)
-    pool = RewardPool(RewardPoolConfig(max_attempts=3))
+    pool = RewardPool(RewardPoolConfig(max_score_attempts=3))
     traj = asyncio.run(pool.score(_traj()))
     pool.close()
     assert (len(calls), traj.status, traj.reward, traj.success) == (3, "ok", 1.0, True)
@@ -44,7 +44,7 @@ def test_a_failing_reward_call_is_retried(monkeypatch: pytest.MonkeyPatch) -> No
 def test_a_trajectory_that_cannot_be_scored_fails_with_a_cause(monkeypatch: pytest.MonkeyPatch) -> None:
     calls, flaky = _flaky(3)
     monkeypatch.setitem(REWARD_FNS, "flaky", flaky)
-    pool = RewardPool(RewardPoolConfig(max_attempts=3))
+    pool = RewardPool(RewardPoolConfig(max_score_attempts=3))
     traj = asyncio.run(pool.score(_traj()))
     pool.close()
     assert (len(calls), traj.status, traj.failure_cause, traj.reward, traj.success) == (
@@ -70,7 +70,7 @@ def _die_once(inp: RewardInput) -> RewardOutput:
 def test_a_broken_process_pool_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("REWARD_RETRY_MARKER", str(tmp_path / "died"))
     monkeypatch.setitem(REWARD_FNS, "flaky", _die_once)
-    pool = RewardPool(RewardPoolConfig(num_workers=1, executor="process", max_attempts=2))
+    pool = RewardPool(RewardPoolConfig(max_workers=1, executor="process", max_score_attempts=2))
     traj = asyncio.run(pool.score(_traj()))
     pool.close()
     assert (traj.status, traj.reward, pool.failures, pool.rebuilds) == ("ok", 0.5, 1, 1)
@@ -78,7 +78,7 @@ def test_a_broken_process_pool_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 def test_injected_reward_faults_are_seeded() -> None:
     def outcomes(seed: int) -> list[str]:
-        pool = RewardPool(RewardPoolConfig(max_attempts=1, fault_prob=0.5, fault_seed=seed))
+        pool = RewardPool(RewardPoolConfig(max_score_attempts=1, fault_prob=0.5, fault_seed=seed))
         trajs = [_traj() for _ in range(12)]
         for t in trajs:
             t.family, t.task_id = "calc_math", "calc_math/0001"

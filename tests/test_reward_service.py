@@ -58,7 +58,7 @@ def _inp(index: int) -> RewardInput:
 
 
 def test_pool_scales_to_zero_and_cold_starts_again() -> None:
-    pool = RewardPool(RewardPoolConfig(num_workers=2, executor="process", idle_shutdown_s=0.0))
+    pool = RewardPool(RewardPoolConfig(max_workers=2, executor="process", idle_shutdown_s=0.0))
 
     async def go() -> list[Trajectory]:
         first = await pool.score_many([_traj(i) for i in range(3)])
@@ -83,7 +83,7 @@ def test_pool_grows_under_queue_pressure_up_to_its_maximum(monkeypatch: pytest.M
         return RewardOutput(0.5, False)
 
     monkeypatch.setitem(REWARD_FNS, "slow", slow)
-    cfg = RewardPoolConfig(num_workers=3, idle_shutdown_s=60.0, fn_for_family={"calc_math": "slow"})
+    cfg = RewardPoolConfig(max_workers=3, idle_shutdown_s=60.0, fn_for_family={"calc_math": "slow"})
     pool = RewardPool(cfg)
     scored = asyncio.run(pool.score_many([_traj(i) for i in range(6)]))
     assert [t.reward for t in scored] == [0.5] * 6
@@ -93,7 +93,7 @@ def test_pool_grows_under_queue_pressure_up_to_its_maximum(monkeypatch: pytest.M
 
 
 def test_scale_up_waits_for_a_queue_of_scale_up_queue() -> None:
-    pool = RewardPool(RewardPoolConfig(num_workers=4, scale_up_queue=100))
+    pool = RewardPool(RewardPoolConfig(max_workers=4, scale_up_queue=100))
     asyncio.run(pool.score_many([_traj(i) for i in range(8)]))
     assert pool.peak_workers == 1  # never 100 waiting: one worker served them all
     pool.close()

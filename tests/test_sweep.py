@@ -22,8 +22,10 @@ import pytest
 
 from rollart_hpc.cluster.sbatch import HetComponent, render_array_job
 from rollart_hpc.contracts.errors import UsageError
-from rollart_hpc.entry import sweep
 from rollart_hpc.entry.cli import main as cli_main
+from rollart_hpc.sweep import grid as sweep_grid
+from rollart_hpc.sweep import local as sweep_local
+from rollart_hpc.sweep import run as sweep_run
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -33,19 +35,19 @@ ROLES = ("controller", "rollout", "env", "reward", "trainer")
 
 
 def test_grid_expands_to_the_product_times_seeds_with_readable_names() -> None:
-    grid = sweep.parse_grid(["algo.rho=0.8,0.9", "controller.mode=sync,async"])
-    runs = sweep.expand(grid, sweep.parse_seeds("0,1"))
+    grid = sweep_grid.parse_grid(["algo.rho=0.8,0.9", "controller.mode=sync,async"])
+    runs = sweep_grid.expand(grid, sweep_grid.parse_seeds("0,1"))
     assert len(runs) == 8
     assert runs[0].name == "algo.rho=0.8__controller.mode=sync/seed=0"
     assert runs[-1].name == "algo.rho=0.9__controller.mode=async/seed=1"
     assert runs[0].overrides == ("algo.rho=0.8", "controller.mode=sync", "run.seed=0")
-    assert [r.name for r in sweep.expand([], [3])] == ["base/seed=3"]
+    assert [r.name for r in sweep_grid.expand([], [3])] == ["base/seed=3"]
 
 
 def test_values_split_outside_brackets_and_names_are_slugged() -> None:
-    assert sweep.split_values("['a','b'],['c']") == ["['a','b']", "['c']"]
-    assert sweep.split_values('"x,y",z') == ['"x,y"', "z"]
-    run = sweep.expand(sweep.parse_grid(["envs.families=['calc_math']"]), [0])[0]
+    assert sweep_grid.split_values("['a','b'],['c']") == ["['a','b']", "['c']"]
+    assert sweep_grid.split_values('"x,y",z') == ['"x,y"', "z"]
+    run = sweep_grid.expand(sweep_grid.parse_grid(["envs.families=['calc_math']"]), [0])[0]
     assert run.arm == "envs.families=__calc_math__"
     assert run.overrides[0] == "envs.families=['calc_math']"
 
@@ -88,16 +90,16 @@ def test_run_state_finished_resume_fresh(tmp_path: Path) -> None:
     _make(tmp_path / "ckpt", "config.resolved.toml", "checkpoints/step-2/COMPLETE")
     _make(tmp_path / "started", "config.resolved.toml", "metrics.jsonl")
     _make(tmp_path / "config-only", "config.resolved.toml")
-    assert sweep.run_state(tmp_path / "done", "summary.json") == sweep.FINISHED
-    assert sweep.run_state(tmp_path / "ckpt", "summary.json") == sweep.RESUME
-    assert sweep.run_state(tmp_path / "started", "summary.json") == sweep.RESUME
-    assert sweep.run_state(tmp_path / "config-only", "summary.json") == sweep.FRESH
-    assert sweep.run_state(tmp_path / "absent", "summary.json") == sweep.FRESH
+    assert sweep_grid.run_state(tmp_path / "done", "summary.json") == sweep_grid.FINISHED
+    assert sweep_grid.run_state(tmp_path / "ckpt", "summary.json") == sweep_grid.RESUME
+    assert sweep_grid.run_state(tmp_path / "started", "summary.json") == sweep_grid.RESUME
+    assert sweep_grid.run_state(tmp_path / "config-only", "summary.json") == sweep_grid.FRESH
+    assert sweep_grid.run_state(tmp_path / "absent", "summary.json") == sweep_grid.FRESH
 
 
 def test_commands_run_fresh_and_resume_interrupted(tmp_path: Path) -> None:
-    run = sweep.expand(sweep.parse_grid(["algo.rho=0.8"]), [1])[0]
-    fresh = sweep.run_command("c.toml", ["a.b=1"], run, tmp_path, sweep.FRESH, 2)
+    run = sweep_grid.expand(sweep_grid.parse_grid(["algo.rho=0.8"]), [1])[0]
+    fresh = sweep_grid.run_command("c.toml", ["a.b=1"], run, tmp_path, sweep_grid.FRESH, 2)
     assert fresh[1:] == [
         "-m",
         "rollart_hpc.entry.cli",
@@ -112,7 +114,7 @@ def test_commands_run_fresh_and_resume_interrupted(tmp_path: Path) -> None:
         "--max-restarts",
         "2",
     ]
-    resume = sweep.run_command("c.toml", [], run, tmp_path, sweep.RESUME, 0)
+    resume = sweep_grid.run_command("c.toml", [], run, tmp_path, sweep_grid.RESUME, 0)
     assert resume[3:] == ["resume", str(tmp_path / run.name), "--max-restarts", "0"]
 
 
@@ -134,27 +136,27 @@ def test_rerun_skips_finished_resumes_interrupted_and_starts_fresh(
         seen.update(commands)
         return 0
 
-    monkeypatch.setattr(sweep, "run_local", fake_run_local)
+    monkeypatch.setattr(sweep_run, "run_local", fake_run_local)
     assert cli_main(["sweep", config, "--seeds", "0,1,2", "--out", str(out), "--parallel", "3"]) == 0
     assert set(seen) == {"base/seed=1", "base/seed=2"}
     assert seen["base/seed=1"][3:5] == ["resume", str(out / "base/seed=1")]
     assert seen["base/seed=2"][3:5] == ["run", config]
     states = capsys.readouterr().out
     assert "base/seed=0" in states and "finished" in states and "resume" in states and "fresh" in states
-    assert [r["seed"] for r in sweep.read_sweep_runs(out)] == [0, 1, 2]
+    assert [r["seed"] for r in sweep_grid.read_sweep_runs(out)] == [0, 1, 2]
 
 
 def test_run_dir_made_with_another_config_is_refused(tmp_path: Path) -> None:
     from rollart_hpc.config import load_config, write_resolved
 
     config = str(REPO / "configs" / "tiny.toml")
-    runs = sweep.expand(sweep.parse_grid(["algo.rho=0.8"]), [0])
+    runs = sweep_grid.expand(sweep_grid.parse_grid(["algo.rho=0.8"]), [0])
     write_resolved(load_config(config, ["algo.rho=0.7", "run.seed=0"]), tmp_path / runs[0].name)
     with pytest.raises(UsageError, match="another config"):
-        sweep.resolve_runs(config, [], runs, tmp_path)
-    assert set(sweep.resolve_runs(config, ["algo.rho=0.7"], sweep.expand([], [0]), tmp_path / "x")) == {
-        "base/seed=0"
-    }
+        sweep_grid.resolve_runs(config, [], runs, tmp_path)
+    assert set(
+        sweep_grid.resolve_runs(config, ["algo.rho=0.7"], sweep_grid.expand([], [0]), tmp_path / "x")
+    ) == {"base/seed=0"}
 
 
 def test_local_runs_continue_after_a_failure_and_report_it(
@@ -162,7 +164,7 @@ def test_local_runs_continue_after_a_failure_and_report_it(
 ) -> None:
     ok = [sys.executable, "-c", "print('fine')"]
     bad = [sys.executable, "-c", "import sys; print('broken'); sys.exit(3)"]
-    code = sweep.run_local(
+    code = sweep_local.run_local(
         tmp_path, ["a/seed=0", "b/seed=0", "c/seed=0"], {"a/seed=0": bad, "b/seed=0": ok, "c/seed=0": ok}, 2
     )
     out = capsys.readouterr().out

@@ -52,7 +52,7 @@ def _run(
     save_to: str = "",
     sequence_parallel: bool = False,
 ) -> dict:
-    from rollart_hpc.entry.launcher import mpi_environment
+    from rollart_hpc.cluster.mpiexec import mpi_environment
 
     out.mkdir(parents=True)
     ranks = tp * pp * dp

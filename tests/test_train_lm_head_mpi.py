@@ -101,7 +101,7 @@ def _reference(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def test_triton_kernel_at_tp2_matches_the_torch_path_and_the_whole_head(tmp_path: Path) -> None:
-    from rollart_hpc.entry.launcher import mpi_environment
+    from rollart_hpc.cluster.mpiexec import mpi_environment
 
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     store = tmp_path / f"store-{uuid.uuid4().hex}"  # a file store: no port to race for

@@ -74,7 +74,7 @@ def _worker(model_dir: str, out: str, store: str, load_from: str) -> None:
 
 
 def _run(num_ranks: int, model_dir: Path, out: Path, load_from: str = "") -> dict:
-    from rollart_hpc.entry.launcher import mpi_environment
+    from rollart_hpc.cluster.mpiexec import mpi_environment
 
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     cmd = [mpiexec, "-n", str(num_ranks), "--oversubscribe", sys.executable, __file__]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollart_hpc.entry.launcher import mpi_environment
+from rollart_hpc.cluster.mpiexec import mpi_environment
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "mpi_scripts" / "weights_check.py"

@@ -155,7 +155,7 @@ def main() -> None:
 # ----- the tests -----
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from rollart_hpc.entry.launcher import mpi_environment
+    from rollart_hpc.cluster.mpiexec import mpi_environment
 
     out = tmp_path_factory.mktemp("weights-pipeline")
     mpiexec = str(Path(sys.executable).parent / "mpiexec")

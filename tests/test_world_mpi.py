@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from rollart_hpc.cluster.mpiexec import mpi_environment
 from rollart_hpc.cluster.procs import pid_alive
-from rollart_hpc.entry.launcher import mpi_environment
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "mpi_scripts" / "world_check.py"

@@ -37,11 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollart_hpc.config.learning import ATTENTION_IMPLS as ATTENTIONS
+from rollart_hpc.config.learning import PRECISIONS
+from rollart_hpc.config.learning import RECOMPUTE_MODES as RECOMPUTES
 from rollart_hpc.contracts.errors import UsageError
 
-ATTENTIONS = ("sdpa", "unfused")
-RECOMPUTES = ("none", "selective", "full")
-PRECISIONS = ("fp32", "bf16")
 CPU_SHAPE = {"hidden": 512, "layers": 4, "heads": 8, "kv_heads": 2, "ffn": 1408, "vocab": 8192}
 
 

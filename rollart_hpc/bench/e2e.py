@@ -53,7 +53,7 @@ from rollart_hpc.config.choices import MODES
 from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.rundir import RunLayout
-from rollart_hpc.entry.sweep import WARM_ARM, warm_model_overrides, warm_start_run
+from rollart_hpc.sweep.grid import WARM_ARM, warm_model_overrides, warm_start_run
 
 REPO = Path(__file__).resolve().parents[2]
 UTILISATION_BINS = 60

@@ -86,8 +86,8 @@ def worker_config(args: argparse.Namespace) -> dict[str, object]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from rollart_hpc.cluster.mpiexec import mpi_environment
     from rollart_hpc.contracts.atomic import atomic_write_json
-    from rollart_hpc.entry.launcher import mpi_environment
 
     config = worker_config(args)
     mpiexec = Path(sys.executable).parent / "mpiexec"

@@ -6,7 +6,7 @@ loss implementation). Torch-free; `rollart_hpc.config.schema.Config` holds them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, get_args
 
 from rollart_hpc.config.choices import (
     ALGO_DEFAULTS,
@@ -266,10 +266,48 @@ class AlgoConfig:
                 raise UsageError(f"{path}.{key}: has no effect with {path}.kl_coef = 0; remove it")
 
 
+Precision = Literal["fp32", "bf16"]
+LossImpl = Literal["fused", "eager"]
+AttentionImpl = Literal["sdpa", "unfused"]
+RecomputeMode = Literal["none", "selective", "full"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+LOSS_IMPLS: tuple[str, ...] = get_args(LossImpl)
+ATTENTION_IMPLS: tuple[str, ...] = get_args(AttentionImpl)
+RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
+
+
+def check_trainer_fields(settings: Any, path: str) -> None:
+    """The rules on the fields the [trainer] section shares with the trainer's own settings
+    (`rollart_hpc.train.config.TrainerConfig`, derived from the section by name): checked by both, stated
+    once. `path` names the section in the one-line `UsageError`."""
+    if settings.micro_batch_tokens < 1:
+        raise UsageError(f"{path}.micro_batch_tokens: must be >= 1, got {settings.micro_batch_tokens}")
+    if settings.ppo_epochs < 1 or settings.num_minibatches < 1:
+        raise UsageError(
+            f"{path}: ppo_epochs and num_minibatches must be >= 1, got {settings.ppo_epochs}, "
+            f"{settings.num_minibatches}"
+        )
+    if settings.tensor_parallel < 1 or settings.pipeline_parallel < 1:
+        raise UsageError(
+            f"{path}.tensor_parallel, {path}.pipeline_parallel: must be >= 1, "
+            f"got {settings.tensor_parallel}, {settings.pipeline_parallel}"
+        )
+    if settings.sequence_parallel and settings.tensor_parallel == 1:
+        raise UsageError(f"{path}.sequence_parallel: needs {path}.tensor_parallel > 1")
+    for key, allowed in (
+        ("precision", PRECISIONS),
+        ("loss_impl", LOSS_IMPLS),
+        ("attention", ATTENTION_IMPLS),
+        ("recompute", RECOMPUTE_MODES),
+    ):
+        if getattr(settings, key) not in allowed:
+            raise UsageError(f"{path}.{key}: {getattr(settings, key)!r} is not one of {', '.join(allowed)}")
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
-    """The [trainer] section: how the trainer role trains (`TrainerConfig.from_config` in
-    `rollart_hpc.train.config` turns it into the trainer library's settings)."""
+    """The [trainer] section: how the trainer role trains (`rollart_hpc.train.config.TrainerConfig` is
+    derived from it by field name)."""
 
     lr: float = doc_field(1e-3, "AdamW learning rate of the RL phase.")
     weight_decay: float = doc_field(0.0, "AdamW weight decay.")
@@ -318,7 +356,7 @@ class TrainingConfig:
         False,
         "Shard activations outside the tensor-parallel matmuls along the sequence (tensor_parallel > 1).",
     )
-    loss_impl: Literal["fused", "eager"] = doc_field(
+    loss_impl: LossImpl = doc_field(
         "fused",
         "'fused': log-probs and loss from the last hidden states and the LM-head weight, never the "
         "[tokens, vocab] logits (Triton on CUDA, chunked torch on CPU; vocabulary-parallel under TP); "
@@ -328,19 +366,19 @@ class TrainingConfig:
         True, "Shard the Adam states over the data-parallel ranks (Megatron's distributed optimizer)."
     )
     overlap_grad_reduce: bool = doc_field(True, "Reduce gradient buckets while backward runs (Megatron DDP).")
-    precision: Literal["fp32", "bf16"] = doc_field(
+    precision: Precision = doc_field(
         "fp32",
         "Training precision: 'bf16' = bf16 parameters and compute with fp32 main parameters, gradients and "
         "Adam states in Megatron's optimizer (weights published and loaded in bf16, half the bytes); "
         "'fp32' = fp32 throughout (TF32 matmuls on CUDA).",
     )
-    attention: Literal["sdpa", "unfused"] = doc_field(
+    attention: AttentionImpl = doc_field(
         "sdpa",
         "Core attention of the trainer's layers: 'sdpa' = torch scaled_dot_product_attention (flash / "
         "memory-efficient kernels on CUDA, flash-attn's varlen kernel when installed; never [s, s] fp32 "
         "scores kept for backward on GPU); 'unfused' = Megatron's local DotProductAttention.",
     )
-    recompute: Literal["none", "selective", "full"] = doc_field(
+    recompute: RecomputeMode = doc_field(
         "none",
         "Activation recomputation (Megatron): 'selective' recomputes the core attention in backward, 'full' "
         "every transformer layer's forward (uniform, one layer per checkpoint); 'none' keeps activations.",
@@ -356,18 +394,7 @@ class TrainingConfig:
             )
         if self.rl_lr_warmup_steps < 0:
             raise UsageError(f"{path}.rl_lr_warmup_steps: must be >= 0, got {self.rl_lr_warmup_steps}")
-        if self.ppo_epochs < 1 or self.num_minibatches < 1:
-            raise UsageError(
-                f"{path}: ppo_epochs and num_minibatches must be >= 1, got {self.ppo_epochs}, {self.num_minibatches}"
-            )
-        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
-            raise UsageError(
-                f"{path}.tensor_parallel, {path}.pipeline_parallel: must be >= 1, "
-                f"got {self.tensor_parallel}, {self.pipeline_parallel}"
-            )
-
-        if self.sequence_parallel and self.tensor_parallel == 1:
-            raise UsageError(f"{path}.sequence_parallel: needs {path}.tensor_parallel > 1")
+        check_trainer_fields(self, path)
 
     def validate_layout(self, path: str, num_ranks: int) -> None:
         """The trainer ranks must split into whole tensor x pipeline groups (the rest is data parallel)."""

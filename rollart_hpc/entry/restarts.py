@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from rollart_hpc.cluster import slurm
 from rollart_hpc.contracts.atomic import atomic_write_bytes
 from rollart_hpc.contracts.errors import UsageError
-from rollart_hpc.contracts.rundir import RunLayout
+from rollart_hpc.contracts.rundir import RunLayout, read_restarts
 
 if TYPE_CHECKING:
     from rollart_hpc.config.schema import Config
@@ -89,11 +89,6 @@ def checkpoint_step(run_dir: Path) -> int:
 
     path = latest(run_dir)
     return int(path.name.split("-")[1]) if path is not None else 0
-
-
-def read_restarts(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / RESTARTS
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def record_restart(run_dir: Path, step: int, cause: str) -> dict[str, Any]:

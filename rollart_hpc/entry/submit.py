@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -40,15 +39,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollart_hpc.cluster import slurm
+from rollart_hpc.cluster.jobs import (
+    JOB_RECORD,
+    job_record,
+    job_spec,
+    prepare_run_dir,
+    require_slurm,
+    sbatch,
+)
 from rollart_hpc.contracts.errors import UsageError
-from rollart_hpc.contracts.rundir import RunLayout
 
 if TYPE_CHECKING:
     from rollart_hpc.cluster.plan import RunPlan
     from rollart_hpc.cluster.sbatch import HetComponent, JobSpec
-    from rollart_hpc.config.schema import Config
-
-JOB_RECORD = "slurm_job.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,24 +127,6 @@ def requeue_after_stop(run_dir: Path, max_requeues: int) -> None:
     raise SystemExit(0)
 
 
-def job_spec(config: Config, run_dir: Path, time_min: int, max_requeues: int) -> JobSpec:
-    """The job of one run of `config` in `run_dir` (restarts, stop signal lead, network settings and
-    finish marker from the config)."""
-    from rollart_hpc.cluster.sbatch import JobSpec
-
-    check_signal_lead(config.cluster.signal_lead_s, time_min)
-    return JobSpec(
-        config.run.name,
-        run_dir,
-        time_min,
-        max_requeues,
-        signal_delay_s=config.cluster.signal_lead_s,
-        max_restarts=config.cluster.max_restarts,
-        job=config.run.job,
-        env=tuple(config.cluster.net.environment().items()),
-    )
-
-
 def main(args: argparse.Namespace) -> int:
     from rollart_hpc.cluster.plan import make_plan
     from rollart_hpc.cluster.sbatch import check_run_dir, plan_partitions
@@ -180,33 +165,12 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError("--out writes the job script instead of submitting it: add --dry-run")
 
 
-def check_signal_lead(signal_lead_s: int, time_min: int) -> None:
-    """The stop signal must come before the time limit, or the job is signalled as soon as it starts."""
-    if signal_lead_s >= time_min * 60:
-        raise UsageError(
-            f"cluster.signal_lead_s: {signal_lead_s} s is not below the time limit (--time-min {time_min})"
-        )
-
-
 def check_own_code(config: Any) -> None:
     """The run's own families, reward functions and task files, checked before anything is submitted."""
     from rollart_hpc.tasks.checks import check_own_code as check
 
     for line in check(config.envs, config.reward, config.run.python_path):
         print(line, flush=True)
-
-
-def require_slurm() -> None:
-    slurm.require_tools("sbatch", "srun", why="submit needs a SLURM client (--dry-run works without one)")
-
-
-def prepare_run_dir(config: Any, run_dir: Path) -> None:
-    """Write the resolved config; drop failure records of an earlier attempt in the same run dir."""
-    from rollart_hpc.config import write_resolved
-
-    if RunLayout(run_dir).failures.exists():
-        shutil.rmtree(RunLayout(run_dir).failures)
-    write_resolved(config, run_dir)
 
 
 def submit_hetjob(spec: JobSpec, plan: RunPlan, config: Any, dry_run: bool, out: str | None = None) -> int:
@@ -277,11 +241,6 @@ def job_text(plan: RunPlan, components: tuple[HetComponent, ...], script: str) -
     return script + "".join(f"# {line}\n" for line in placement_table(placements).splitlines())
 
 
-def sbatch(script_path: Path) -> str:
-    """Submit a script; returns the job id. A refusal by sbatch is reported as a usage error."""
-    return slurm.sbatch(str(script_path))
-
-
 def submit_single(
     spec: JobSpec, plan: RunPlan, config: Any, nodes: int, dry_run: bool, out: str | None = None
 ) -> int:
@@ -319,18 +278,6 @@ def submitit_submit(spec: JobSpec, params: dict[str, Any]) -> tuple[str, list[st
     executor.update_parameters(**params)
     job = executor.submit(WorkerTask(str(spec.run_dir), spec.finish_marker, spec.max_requeues))
     return str(job.job_id), [str(job.paths.stdout), str(job.paths.stderr)]
-
-
-def job_record(spec: JobSpec, plan: RunPlan, mode: str, job_id: str, logs: list[str]) -> dict[str, Any]:
-    return {
-        "job_id": job_id,
-        "mode": mode,
-        "name": spec.name,
-        "run_dir": str(spec.run_dir),
-        "world_size": plan.world_size,
-        "logs": logs,
-        "submitted_at": time.time(),
-    }
 
 
 def finish(spec: JobSpec, record: dict[str, Any]) -> int:

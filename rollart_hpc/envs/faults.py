@@ -13,6 +13,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollart_hpc.config.derive import derive
+from rollart_hpc.config.schema import FaultsConfig
+
 FaultKind = Literal["none", "crash", "hang", "error", "slow"]
 CAUSE_OF_FAULT = {"crash": "crash", "hang": "timeout", "error": "error"}
 
@@ -60,6 +63,19 @@ class FaultConfig:
     def enabled(self) -> bool:
         active = (self.crash_prob, self.hang_prob, self.error_prob, self.slow_prob)
         return any(p > 0 for p in active) or self.latency.dist != "none"
+
+
+LATENCY_FROM_SECTION = derive(
+    LatencyConfig,
+    FaultsConfig,
+    rename={"dist": "latency", "scale_s": "latency_scale_s", "max_s": "latency_max_s"},
+    kept=("sigma", "alpha"),
+)
+"""A run's step latency: envs.faults.latency, latency_scale_s, latency_max_s."""
+FAULTS_FROM_SECTION = derive(
+    FaultConfig, FaultsConfig, given=("seed", "latency"), kept=("slow_prob", "slow_s")
+)
+"""A run's injected faults: the envs.faults probabilities of the same name, seeded with the run seed."""
 
 
 @dataclass(frozen=True)

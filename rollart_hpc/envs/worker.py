@@ -35,11 +35,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rollart_hpc.config.derive import derive
 from rollart_hpc.config.schema import EnvsConfig
 from rollart_hpc.contracts.generation import LLMClient
 from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.envs.child import child_main
-from rollart_hpc.envs.faults import FaultConfig, LatencyConfig
+from rollart_hpc.envs.faults import FAULTS_FROM_SECTION, LATENCY_FROM_SECTION, FaultConfig
 from rollart_hpc.tasks.agent_loop import AgentConfig, fail, new_trajectory, run_episode
 from rollart_hpc.tasks.chat import ChatTokens
 from rollart_hpc.tasks.registry import FamilySpec
@@ -64,26 +65,20 @@ class EnvWorkerConfig:
     @classmethod
     def from_config(cls, envs: EnvsConfig, seed: int) -> EnvWorkerConfig:
         """The run's env worker: slots and time limits from `envs`, faults seeded with the run seed."""
-        f = envs.faults
-        faults = FaultConfig(
-            seed=seed,
-            crash_prob=f.crash_prob,
-            hang_prob=f.hang_prob,
-            error_prob=f.error_prob,
-            latency=LatencyConfig(dist=f.latency, scale_s=f.latency_scale_s, max_s=f.latency_max_s),
-        )
-        return cls(
-            num_slots=envs.num_slots,
-            step_timeout_s=envs.step_timeout_s,
-            episode_timeout_s=envs.episode_timeout_s,
-            faults=faults,
-        )
+        faults = FAULTS_FROM_SECTION(envs.faults, seed=seed, latency=LATENCY_FROM_SECTION(envs.faults))
+        return WORKER_FROM_SECTION(envs, faults=faults)
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         if self.start_method not in ("fork", "forkserver", "spawn"):
             raise ValueError(f"unknown start_method {self.start_method!r}")
+
+
+WORKER_FROM_SECTION = derive(
+    EnvWorkerConfig, EnvsConfig, given=("faults",), kept=("reset_timeout_s", "close_grace_s", "start_method")
+)
+"""Slots and time limits of the [envs] section's fields of the same name."""
 
 
 class _Child:

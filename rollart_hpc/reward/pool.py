@@ -5,19 +5,19 @@ Dataflow: `score(traj)` (or `score_input(inp)`, what the reward service calls) p
 registered for the family (or the override in `RewardPoolConfig.fn_for_family`: a name or an import
 path, e.g. a `reward.functions` entry), waits for a free worker
 and runs the function there; an `async` function (an LLM judge) is awaited instead, at most
-`num_workers` at once. `score` writes `reward` and `success` into the trajectory; failed trajectories are
+`max_workers` at once. `score` writes `reward` and `success` into the trajectory; failed trajectories are
 not scored (reward 0).
 Workers: each worker is a one-slot executor (a thread, or a process forked from a forkserver that has
 the reward functions imported). A request that finds no idle worker waits; a new worker is started (a
 cold start: the process is started and warmed up, its latency recorded) when there is none, or, up to
-`num_workers`, when at least `scale_up_queue` requests wait and draining them would take longer than a
+`max_workers`, when at least `scale_up_queue` requests wait and draining them would take longer than a
 cold start (moving averages of measured calls and cold starts; a call still running counts with its
 time so far; before anything was measured, the queue decides, one cold start at a time).
 `maybe_scale_down()` (called by its owner's loop) stops every worker idle for `idle_shutdown_s`, so an
 idle pool holds no worker; the next request cold-starts one. The forkserver itself stays up (it is not
 a worker: it holds no reward state and runs no reward call); it and its workers die with the pool's
 process, even a SIGKILLed one (parent-death signal, `worker_boot`).
-Failures: a reward call that raises is retried, up to `max_attempts` calls per trajectory; a worker whose
+Failures: a reward call that raises is retried, up to `max_score_attempts` calls per trajectory; a worker whose
 process died (`BrokenExecutor`) is dropped (`rebuilds`) and the retry runs on another. A trajectory whose
 calls all failed is returned failed (cause "reward_error", reward 0), never scored by a guess. `failures`
 counts failed calls. `fault_prob` injects failures (tests; seeded by `fault_seed`).
@@ -41,27 +41,25 @@ from concurrent.futures import BrokenExecutor, Executor, ProcessPoolExecutor, Th
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rollart_hpc.config.schema import check_reward_pool_fields
 from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.reward.functions import RewardFn, RewardInput, RewardOutput, reward_fn
 
 
 @dataclass(frozen=True)
 class RewardPoolConfig:
-    num_workers: int = 2
+    max_workers: int = 2
     executor: Literal["thread", "process"] = "thread"
     idle_shutdown_s: float = 30.0
     scale_up_queue: int = 1
     fn_for_family: dict[str, str] = field(default_factory=dict)
     python_path: tuple[str, ...] = ()  # where the modules of import-path functions are imported from
-    max_attempts: int = 3
+    max_score_attempts: int = 3
     fault_prob: float = 0.0
     fault_seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1 or not 0.0 <= self.fault_prob < 1.0:
-            raise ValueError(f"max_attempts >= 1 and 0 <= fault_prob < 1 required, got {self}")
-        if self.num_workers < 1 or self.scale_up_queue < 1 or self.idle_shutdown_s < 0:
-            raise ValueError(f"num_workers >= 1, scale_up_queue >= 1, idle_shutdown_s >= 0 required: {self}")
+        check_reward_pool_fields(self, "reward")
 
 
 class InjectedRewardError(RuntimeError):
@@ -162,7 +160,7 @@ class RewardPool:
         return traj
 
     async def score_input(self, inp: RewardInput, errors: list[str] | None = None) -> RewardOutput | None:
-        """The reward of one input, or None after `max_attempts` failed calls (each named in `errors`)."""
+        """The reward of one input, or None after `max_score_attempts` failed calls (each named in `errors`)."""
         errors = [] if errors is None else errors
         fn = reward_fn(self.cfg.fn_for_family.get(inp.family, inp.family), self.cfg.python_path)
         self._inflight += 1
@@ -177,7 +175,7 @@ class RewardPool:
     async def _call_with_retries(
         self, fn: RewardFn, inp: RewardInput, errors: list[str]
     ) -> RewardOutput | None:
-        for _ in range(self.cfg.max_attempts):
+        for _ in range(self.cfg.max_score_attempts):
             try:
                 if self.cfg.fault_prob > 0 and self._fault_rng.random() < self.cfg.fault_prob:
                     raise InjectedRewardError("injected reward failure")
@@ -191,7 +189,7 @@ class RewardPool:
         if inspect.iscoroutinefunction(fn):
             self._event()
             if self._sem is None:
-                self._sem = asyncio.Semaphore(self.cfg.num_workers)
+                self._sem = asyncio.Semaphore(self.cfg.max_workers)
             async with self._sem:
                 return await fn(inp)  # type: ignore[no-any-return]
         worker = await self._acquire()
@@ -237,7 +235,7 @@ class RewardPool:
         starting worker will take) and the queue would take the workers longer to drain than a cold
         start takes (both measured; no second worker before one call and one cold start were timed)."""
         alive = len(self._workers) + self._starting
-        if alive >= self.cfg.num_workers:
+        if alive >= self.cfg.max_workers:
             return False
         if alive == 0:
             return True

@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from rollart_hpc.config.derive import derive
 from rollart_hpc.config.schema import RewardConfig
 from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.reward.functions import RewardInput
@@ -48,20 +49,21 @@ from rollart_hpc.reward.wire import (
     write_service_files,
 )
 
+POOL_FROM_SECTION = derive(
+    RewardPoolConfig, RewardConfig, given=("fn_for_family", "python_path", "fault_seed")
+)
+"""The pool's limits are the [reward] section's fields of the same name."""
+
 
 def pool_config(
     cfg: RewardConfig, seed: int = 0, defaults: dict[str, str] | None = None, python_path: Sequence[str] = ()
 ) -> RewardPoolConfig:
-    """The pool of `cfg`; `defaults`: reward functions of families absent from `cfg.functions`."""
-    return RewardPoolConfig(
+    """The pool of `cfg` (`POOL_FROM_SECTION`); `defaults`: reward functions of families absent from
+    `cfg.functions`."""
+    return POOL_FROM_SECTION(
+        cfg,
         fn_for_family={**(defaults or {}), **cfg.functions},
         python_path=tuple(python_path),
-        num_workers=cfg.max_workers,
-        executor=cfg.executor,
-        idle_shutdown_s=cfg.idle_shutdown_s,
-        scale_up_queue=cfg.scale_up_queue,
-        max_attempts=cfg.max_score_attempts,
-        fault_prob=cfg.fault_prob,
         fault_seed=seed,
     )
 

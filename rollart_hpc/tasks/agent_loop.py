@@ -24,6 +24,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from rollart_hpc.config.derive import derive
 from rollart_hpc.config.schema import RolloutConfig
 from rollart_hpc.contracts.generation import LLMClient, RequestOutput, SamplingParams
 from rollart_hpc.contracts.ids import RequestId
@@ -46,13 +47,7 @@ class AgentConfig:
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> AgentConfig:
         """The run's agent loop: context length and sampling of the rollout engines."""
-        return cls(
-            max_context_tokens=rollout.max_model_len,
-            max_new_tokens=rollout.max_new_tokens,
-            temperature=rollout.temperature,
-            top_p=rollout.top_p,
-            top_k=rollout.top_k,
-        )
+        return AGENT_FROM_ROLLOUT(rollout)
 
     def sampling(
         self, max_tokens: int, stop_ids: tuple[int, ...], stop: tuple[str, ...] = ()
@@ -65,6 +60,12 @@ class AgentConfig:
             stop_token_ids=stop_ids,
             stop=stop,
         )
+
+
+AGENT_FROM_ROLLOUT = derive(
+    AgentConfig, RolloutConfig, rename={"max_context_tokens": "max_model_len"}, kept=("min_new_tokens",)
+)
+"""Context length and sampling of the [rollout] section's engines."""
 
 
 def new_trajectory(task: Task, episode_id: str, dispatch: dict | None = None) -> Trajectory:

@@ -4,12 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollart_hpc.config.learning import TrainingConfig
+from rollart_hpc.config.derive import derive
+from rollart_hpc.config.learning import (
+    ATTENTION_IMPLS,
+    LOSS_IMPLS,
+    PRECISIONS,
+    RECOMPUTE_MODES,
+    TrainingConfig,
+    check_trainer_fields,
+)
 
-PRECISIONS = ("fp32", "bf16")
-LOSS_IMPLS = ("fused", "eager")
-ATTENTION_IMPLS = ("sdpa", "unfused")
-RECOMPUTE_MODES = ("none", "selective", "full")
+__all__ = [
+    "ATTENTION_IMPLS",
+    "LOSS_IMPLS",
+    "OPTIM_FROM_SECTION",
+    "PRECISIONS",
+    "RECOMPUTE_MODES",
+    "TRAINER_FROM_SECTION",
+    "OptimConfig",
+    "TrainerConfig",
+]
 
 
 @dataclass(frozen=True)
@@ -77,28 +91,7 @@ class TrainerConfig:
     recompute: str = "none"
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
-            raise ValueError(
-                f"tensor_parallel and pipeline_parallel must be >= 1, got {self.tensor_parallel}, "
-                f"{self.pipeline_parallel}"
-            )
-        if self.sequence_parallel and self.tensor_parallel == 1:
-            raise ValueError("sequence_parallel needs tensor_parallel > 1")
-        if self.loss_impl not in LOSS_IMPLS:
-            raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {self.loss_impl!r}")
-        if self.attention not in ATTENTION_IMPLS or self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(
-                f"attention must be one of {ATTENTION_IMPLS} and recompute one of {RECOMPUTE_MODES}, "
-                f"got {self.attention!r}, {self.recompute!r}"
-            )
-        if self.ppo_epochs < 1 or self.num_minibatches < 1:
-            raise ValueError(
-                f"ppo_epochs and num_minibatches must be >= 1, got {self.ppo_epochs}, {self.num_minibatches}"
-            )
-        if self.micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        check_trainer_fields(self, "trainer")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.collective_timeout_s <= 0:
@@ -108,25 +101,25 @@ class TrainerConfig:
     def from_config(
         cls, section: TrainingConfig, *, lr: float, seed: int, timeout_s: float, temperature: float = 1.0
     ) -> TrainerConfig:
-        """The trainer settings of a run's [trainer] section, at learning rate `lr` (the warm start's or
-        the RL phase's), with the run's seed, the world's peer timeout bounding every collective and the
-        rollout's sampling `temperature` (rollout.temperature) for the RL log-probs."""
-        optim = OptimConfig(lr=lr, weight_decay=section.weight_decay, grad_clip=section.grad_clip)
-        return cls(
-            optim=optim,
-            micro_batch_tokens=section.micro_batch_tokens,
+        """The trainer settings of a run's [trainer] section (`TRAINER_FROM_SECTION`), at learning rate
+        `lr` (the warm start's or the RL phase's), with the run's seed, the world's peer timeout bounding
+        every collective and the rollout's sampling `temperature` (rollout.temperature) for the RL
+        log-probs."""
+        return TRAINER_FROM_SECTION(
+            section,
+            optim=OPTIM_FROM_SECTION(section, lr=lr),
             seed=seed,
-            temperature=temperature,
             collective_timeout_s=timeout_s,
-            ppo_epochs=section.ppo_epochs,
-            num_minibatches=section.num_minibatches,
-            tensor_parallel=section.tensor_parallel,
-            pipeline_parallel=section.pipeline_parallel,
-            sequence_parallel=section.sequence_parallel,
-            loss_impl=section.loss_impl,
-            distributed_optimizer=section.distributed_optimizer,
-            overlap_grad_reduce=section.overlap_grad_reduce,
-            precision=section.precision,
-            attention=section.attention,
-            recompute=section.recompute,
+            temperature=temperature,
         )
+
+
+OPTIM_FROM_SECTION = derive(OptimConfig, TrainingConfig, given=("lr",), kept=("betas", "eps"))
+"""Adam settings: weight_decay and grad_clip of the [trainer] section; lr by phase (sft_lr, then lr)."""
+TRAINER_FROM_SECTION = derive(
+    TrainerConfig,
+    TrainingConfig,
+    given=("optim", "seed", "temperature", "collective_timeout_s"),
+    kept=("ddp_bucket_elements",),
+)
+"""Every other trainer setting is the [trainer] section's field of the same name."""

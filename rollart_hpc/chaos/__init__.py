@@ -1,0 +1,1 @@
+"""Chaos trials against the automatic recovery of local runs (`trials`; the command is `launch.py chaos`)."""
