@@ -30,35 +30,22 @@ from typing import Protocol
 
 import torch
 
+from rollart_hpc.algo import LOSS_EXPORTS
 from rollart_hpc.config.learning import AlgoConfig
 from rollart_hpc.kernels.common import KernelLossConfig, KernelTuning, LossInputs
 from rollart_hpc.kernels.entropy import head_entropy
 from rollart_hpc.kernels.policy_loss import fused_token_terms, linear_logprob
 from rollart_hpc.kernels.token_loss import (
-    SUMMED_DIAGNOSTICS,
     LossDiagnostics,
     TokenTerms,
     aggregation_weights,
     kl_estimate,
+    ppo_token_terms,
     reduce_token_terms,
     reward_to_go,
 )
-from rollart_hpc.kernels.token_loss import ppo_token_terms as _kernel_token_terms
 
-__all__ = [
-    "SUMMED_DIAGNOSTICS",
-    "LMHeadInputs",
-    "LossBatch",
-    "LossConfig",
-    "LossDiagnostics",
-    "SequenceBatch",
-    "TokenTerms",
-    "broadcast_to_tokens",
-    "loss_config",
-    "packed_policy_loss",
-    "policy_loss",
-    "ppo_token_terms",
-]
+__all__ = list(LOSS_EXPORTS)
 
 
 LossConfig = KernelLossConfig
@@ -128,21 +115,6 @@ class LMHeadInputs:
     impl: str = "auto"
     with_entropy: bool = False
     tuning: KernelTuning | None = None
-
-
-def ppo_token_terms(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    action_mask: torch.Tensor,
-    cfg: LossConfig,
-    cu_seqlens: torch.Tensor | None = None,
-) -> TokenTerms:
-    """Per-token PPO terms over flat [T] tensors (`rollart_hpc.kernels.token_loss.ppo_token_terms`)."""
-    return _kernel_token_terms(
-        logprobs, old_logprobs, behaviour_logprobs, advantages, action_mask, cfg, cu_seqlens
-    )
 
 
 def _check_token_shapes(logprobs: torch.Tensor, *others: torch.Tensor) -> None:

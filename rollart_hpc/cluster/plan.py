@@ -80,25 +80,30 @@ class RunPlan:
         return "\n".join(lines)
 
 
+def set_parts(*items: tuple[object, str]) -> list[str]:
+    """The texts of the (value, text) pairs whose value is set, in order: the optional parts of a
+    resource description or request."""
+    return [text for value, text in items if value]
+
+
 def resource_text(cfg: RoleConfig) -> str:
     """'  per rank: 1 GPU, 8 CPUs, 64G' ('' when the role asks for nothing)."""
-    parts = []
-    if cfg.gpus_per_rank:
-        parts.append(f"{cfg.gpus_per_rank} GPU{'s' if cfg.gpus_per_rank > 1 else ''}")
-    if cfg.cpus_per_rank:
-        parts.append(f"{cfg.cpus_per_rank} CPU{'s' if cfg.cpus_per_rank > 1 else ''}")
-    if cfg.mem_gb:
-        parts.append(f"{cfg.mem_gb}G")
+    parts = set_parts(
+        (cfg.gpus_per_rank, f"{cfg.gpus_per_rank} GPU{'s' if cfg.gpus_per_rank > 1 else ''}"),
+        (cfg.cpus_per_rank, f"{cfg.cpus_per_rank} CPU{'s' if cfg.cpus_per_rank > 1 else ''}"),
+        (cfg.mem_gb, f"{cfg.mem_gb}G"),
+    )
     return f"  per rank: {', '.join(parts)}" if parts else ""
 
 
 def pool_text(cfg: RoleConfig) -> str:
     """'  gpu=h800 tags=prefill' for a pool's GPU type, constraint and tags ('' when none)."""
-    parts = [f"gpu={cfg.gpu_type}"] if cfg.gpu_type else []
-    if cfg.constraint:
-        parts.append(f"constraint={cfg.constraint}")
-    if isinstance(cfg, RolloutPoolConfig) and cfg.tags:
-        parts.append(f"tags={','.join(cfg.tags)}")
+    tags = cfg.tags if isinstance(cfg, RolloutPoolConfig) else ()
+    parts = set_parts(
+        (cfg.gpu_type, f"gpu={cfg.gpu_type}"),
+        (cfg.constraint, f"constraint={cfg.constraint}"),
+        (tags, f"tags={','.join(tags)}"),
+    )
     return f" ({' '.join(parts)})" if parts else ""
 
 

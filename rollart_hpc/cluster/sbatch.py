@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollart_hpc.cluster.plan import RoleRange, RunPlan
+from rollart_hpc.cluster.plan import RoleRange, RunPlan, set_parts
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.rundir import RunLayout
 
@@ -102,13 +102,12 @@ class HetComponent:
         )
 
     def resources(self) -> str:
-        parts = [f"{self.num_nodes} node(s) x {self.tasks_per_node} tasks"] if self.pins_nodes else []
-        if self.gpus_per_node:
-            parts.append(f"{self.gpus_per_node} GPU(s)/node")
-        if self.cpus_per_task:
-            parts.append(f"{self.cpus_per_task} CPU(s)/task")
-        if self.mem_gb_per_node:
-            parts.append(f"{self.mem_gb_per_node}G/node")
+        parts = set_parts(
+            (self.pins_nodes, f"{self.num_nodes} node(s) x {self.tasks_per_node} tasks"),
+            (self.gpus_per_node, f"{self.gpus_per_node} GPU(s)/node"),
+            (self.cpus_per_task, f"{self.cpus_per_task} CPU(s)/task"),
+            (self.mem_gb_per_node, f"{self.mem_gb_per_node}G/node"),
+        )
         return f" ({', '.join(parts)})" if parts else ""
 
 
@@ -334,17 +333,14 @@ def gres(component: HetComponent) -> str:
 
 def resource_options(component: HetComponent) -> list[str]:
     """sbatch options of a component's node layout and resources (none when it asks for nothing)."""
-    options = []
-    if component.pins_nodes:
-        options += [f"--nodes={component.num_nodes}", f"--ntasks-per-node={component.tasks_per_node}"]
-    if component.gpus_per_node:
-        options.append(f"--gres={gres(component)}")
-    if component.cpus_per_task:
-        options.append(f"--cpus-per-task={component.cpus_per_task}")
-    if component.mem_gb_per_node:
-        options.append(f"--mem={component.mem_gb_per_node}G")
-    if component.constraint:
-        options.append(f"--constraint={shlex.quote(component.constraint)}")
+    options = set_parts(
+        (component.pins_nodes, f"--nodes={component.num_nodes}"),
+        (component.pins_nodes, f"--ntasks-per-node={component.tasks_per_node}"),
+        (component.gpus_per_node, f"--gres={gres(component)}"),
+        (component.cpus_per_task, f"--cpus-per-task={component.cpus_per_task}"),
+        (component.mem_gb_per_node, f"--mem={component.mem_gb_per_node}G"),
+        (component.constraint, f"--constraint={shlex.quote(component.constraint)}"),
+    )
     for line in component.extra:
         key, sep, value = line.partition("=")
         options.append(f"{key}={shlex.quote(value)}" if sep else key)

@@ -94,3 +94,13 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release threads, processes and buffers; idempotent."""
         ...
+
+
+def land_whole(landing: WeightLanding, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Land tensors already at hand in one piece and commit them; abort the landing if that fails."""
+    try:
+        landing.land(list(named_tensors))
+    except BaseException:
+        landing.abort()
+        raise
+    landing.commit()

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from rollart_hpc.contracts.generation import FinishReason, RequestOutput, SamplingParams
+from rollart_hpc.inference.api import land_whole
 from rollart_hpc.inference.decoder import Decoder, Segment, SlotKVCache
 from rollart_hpc.inference.packed import (
     Linear,
@@ -224,13 +225,7 @@ class LLMEngine:
         Thread-safe; generation continues meanwhile. A later call before the swap lands over the staged
         snapshot (merging over it). For a tied head, `lm_head.weight` is dropped (it is the embedding).
         """
-        landing = self.begin_weights(version)
-        try:
-            landing.land(list(named_tensors))
-        except BaseException:
-            landing.abort()
-            raise
-        landing.commit()
+        land_whole(self.begin_weights(version), named_tensors)
 
     def close(self) -> None:
         """Nothing to release (no threads, processes or shared buffers); part of the `Engine` contract."""

@@ -54,6 +54,7 @@ from typing import Any, TypeVar
 import torch
 
 from rollart_hpc.contracts.generation import FinishReason, RequestOutput, SamplingParams
+from rollart_hpc.inference.api import land_whole
 from rollart_hpc.inference.vllm_staging import StagingBuffer, chunk_layouts
 from rollart_hpc.inference.vllm_worker import BEGIN_METHOD, FINISH_METHOD, LOAD_METHOD
 from rollart_hpc.models.config import load_config
@@ -118,9 +119,14 @@ class VLLMEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-frontend", daemon=True)
         self._thread.start()
-        args = _engine_args(
-            self.model_dir, num_slots, max_model_len, dtype, seed, tensor_parallel_size,
-            enable_prefix_caching, enforce_eager, gpu_memory_utilization, engine_kwargs or {},
+        from vllm import AsyncEngineArgs
+
+        args = AsyncEngineArgs(
+            **engine_arg_values(
+                self.model_dir, num_slots, max_model_len, dtype, seed, tensor_parallel_size,
+                enable_prefix_caching, enforce_eager, gpu_memory_utilization, engine_kwargs or {},
+                **_host_facts(),
+            )
         )  # fmt: skip
         self._llm: Any = None
         try:
@@ -217,13 +223,7 @@ class VLLMEngine:
 
         The tensors are copied before this returns, so the caller may reuse their storage afterwards.
         """
-        landing = self.begin_weights(version)
-        try:
-            landing.land(list(named_tensors))
-        except BaseException:
-            landing.abort()
-            raise
-        landing.commit()
+        land_whole(self.begin_weights(version), named_tensors)
 
     def _load_chunks(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Load `named` into the workers, chunk by chunk through the staging buffer."""
@@ -439,29 +439,15 @@ def _vllm_sampling(sampling: SamplingParams, ignore_eos: bool) -> Any:
     )
 
 
-def _engine_args(
-    model_dir: Path,
-    num_slots: int,
-    max_model_len: int,
-    dtype: str,
-    seed: int,
-    tensor_parallel_size: int,
-    enable_prefix_caching: bool,
-    enforce_eager: bool | None,
-    gpu_memory_utilization: float | None,
-    extra: dict[str, Any],
-) -> Any:
-    from vllm import AsyncEngineArgs
+def _host_facts() -> dict[str, Any]:
+    """The `engine_arg_values` keywords that describe this host and the installed vLLM."""
     from vllm.config import SchedulerConfig
 
-    values = engine_arg_values(
-        model_dir, num_slots, max_model_len, dtype, seed, tensor_parallel_size, enable_prefix_caching,
-        enforce_eager, gpu_memory_utilization, extra,
+    return dict(
         on_cpu=_staging_device().type == "cpu",
         batched_tokens=SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS,
         cpu_kv_cache_space=bool(os.environ.get("VLLM_CPU_KVCACHE_SPACE")),
-    )  # fmt: skip
-    return AsyncEngineArgs(**values)
+    )
 
 
 def engine_arg_values(
