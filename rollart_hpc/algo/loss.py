@@ -35,6 +35,7 @@ from rollart_hpc.config.learning import AlgoConfig
 from rollart_hpc.kernels.common import KernelLossConfig, KernelTuning, LossInputs
 from rollart_hpc.kernels.entropy import head_entropy
 from rollart_hpc.kernels.policy_loss import fused_token_terms, linear_logprob
+from rollart_hpc.kernels.token_loss import SUMMED_DIAGNOSTICS as SUMMED_DIAGNOSTICS
 from rollart_hpc.kernels.token_loss import (
     LossDiagnostics,
     TokenTerms,

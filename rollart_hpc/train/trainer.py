@@ -32,9 +32,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from rollart_hpc.algo.loss import SUMMED_DIAGNOSTICS, LossConfig, policy_loss
+from rollart_hpc.algo.loss import LossConfig, policy_loss
 from rollart_hpc.contracts.atomic import atomic_write_json
-from rollart_hpc.kernels.token_loss import action_tokens_per_sequence
+from rollart_hpc.kernels.token_loss import SUMMED_DIAGNOSTICS, action_tokens_per_sequence
 from rollart_hpc.models.checkpoint import ShardWriter
 from rollart_hpc.models.config import ModelConfig
 from rollart_hpc.train import checkpoint, comm, parallel
