@@ -55,6 +55,7 @@ def _worker(model_dir: str, out: str, store: str, mode: str) -> None:
     (root / f"stepped-{rank}").write_text(str(pending.nbytes))
     comm.barrier("both ranks stepped", 120, next(trainer.gpt.parameters()).device)
     if mode == "crash":
+        (root / f"pid-{rank}").write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 0:
         gate.touch()
@@ -70,7 +71,35 @@ def _run(num_ranks: int, model_dir: Path, out: Path, mode: str) -> subprocess.Co
     cmd = [mpiexec, "-n", str(num_ranks), "--oversubscribe", sys.executable, __file__]
     cmd += [str(model_dir), str(out), str(out / f"store-{uuid.uuid4().hex}"), mode]
     env = {**mpi_environment(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
-    return subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
+    if mode != "crash":
+        return subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
+    # OpenMPI's prterun does not always exit when every rank is killed by a signal at once (seen to hang
+    # with both ranks dead): once every rank has recorded its pid and is gone, the launcher is stopped.
+    logs = out / "mpiexec.log"
+    with logs.open("w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _until(lambda: proc.poll() is not None or _ranks_gone(out, num_ranks), "the killed ranks", 300)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, logs.read_text(), "")
+
+
+def _ranks_gone(out: Path, num_ranks: int) -> bool:
+    import psutil
+
+    pids = [out / f"pid-{rank}" for rank in range(num_ranks)]
+    if not all(p.is_file() for p in pids):
+        return False
+    for p in pids:
+        try:
+            if psutil.Process(int(p.read_text())).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except (psutil.NoSuchProcess, ValueError):
+            continue
+    return True
 
 
 @pytest.fixture(scope="module")
