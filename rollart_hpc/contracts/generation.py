@@ -14,12 +14,19 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one request. temperature 0 means greedy; top_k <= 0 and top_p >= 1 disable them."""
+class Sampling:
+    """The distribution each token is drawn from. temperature 0 means greedy; top_k <= 0 and top_p >= 1
+    disable them."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+
+
+@dataclass(frozen=True)
+class SamplingParams(Sampling):
+    """How to sample one request: its distribution (`Sampling`), length, stop conditions and seed."""
+
     max_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from rollart_hpc.config.derive import derive
 from rollart_hpc.config.schema import RolloutConfig
-from rollart_hpc.contracts.generation import LLMClient, RequestOutput, SamplingParams
+from rollart_hpc.contracts.generation import LLMClient, RequestOutput, Sampling, SamplingParams
 from rollart_hpc.contracts.ids import RequestId
 from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.tasks.chat import ChatTokens, Message
@@ -34,15 +34,12 @@ from rollart_hpc.tasks.types import AsyncEnv, EnvError, Task
 
 
 @dataclass(frozen=True)
-class AgentConfig:
-    """Sampling and context policy of the agent loop."""
+class AgentConfig(Sampling):
+    """Sampling (the inherited `Sampling` fields) and context policy of the agent loop."""
 
     max_context_tokens: int = 1024
     max_new_tokens: int = 48
     min_new_tokens: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> AgentConfig:
@@ -52,6 +49,7 @@ class AgentConfig:
     def sampling(
         self, max_tokens: int, stop_ids: tuple[int, ...], stop: tuple[str, ...] = ()
     ) -> SamplingParams:
+        """The parameters of one turn's request: this config's distribution, `max_tokens`, stops."""
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
