@@ -9,7 +9,23 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
+
+
+class _Under:
+    """A named path in the run directory: on a `RunLayout`, `root / name`; `doc` says what it holds."""
+
+    def __init__(self, name: str, doc: str = "") -> None:
+        self.name, self.__doc__ = name, doc
+
+    @overload
+    def __get__(self, layout: None, owner: type) -> _Under: ...
+
+    @overload
+    def __get__(self, layout: RunLayout, owner: type) -> Path: ...
+
+    def __get__(self, layout: RunLayout | None, owner: type) -> Path | _Under:
+        return self if layout is None else layout.root / self.name
 
 
 @dataclass(frozen=True)
@@ -25,101 +41,37 @@ class RunLayout:
     RESTARTS_NAME = "restarts.jsonl"
     EVAL_RESULT_NAME = "eval.json"
 
-    @property
-    def config(self) -> Path:
-        """The resolved config (`launch.py run` writes it; every rank and `resume` read it)."""
-        return self.root / self.CONFIG_NAME
-
-    @property
-    def metrics(self) -> Path:
-        """One JSON row per optimizer step and per evaluation round (`metrics.run_metrics`)."""
-        return self.root / self.METRICS_NAME
-
-    @property
-    def summary(self) -> Path:
-        """The end-of-run summary; its presence marks a finished `rl` run."""
-        return self.root / self.SUMMARY_NAME
-
-    @property
-    def trajectories(self) -> Path:
-        """The HDF5 trajectory store."""
-        return self.root / self.TRAJECTORIES_NAME
-
-    @property
-    def restarts(self) -> Path:
-        """One row per automatic restart, with its cause."""
-        return self.root / self.RESTARTS_NAME
-
-    @property
-    def eval_result(self) -> Path:
-        """The result of an `eval` job (`launch.py eval`)."""
-        return self.root / self.EVAL_RESULT_NAME
-
-    @property
-    def failures(self) -> Path:
-        """One report per rank that failed in this attempt (`failure(rank)`)."""
-        return self.root / "failures"
+    config = _Under(
+        CONFIG_NAME, "The resolved config (`launch.py run` writes it; every rank and `resume` read it)."
+    )
+    metrics = _Under(
+        METRICS_NAME, "One JSON row per optimizer step and per evaluation round (`metrics.run_metrics`)."
+    )
+    summary = _Under(SUMMARY_NAME, "The end-of-run summary; its presence marks a finished `rl` run.")
+    trajectories = _Under(TRAJECTORIES_NAME, "The HDF5 trajectory store.")
+    restarts = _Under(RESTARTS_NAME, "One row per automatic restart, with its cause.")
+    eval_result = _Under(EVAL_RESULT_NAME, "The result of an `eval` job (`launch.py eval`).")
+    failures = _Under("failures", "One report per rank that failed in this attempt (`failure(rank)`).")
+    pids = _Under("pids", "Each rank's pid file and exit file of this attempt (`pid_file`, `exit_file`).")
+    checkpoints = _Under("checkpoints")
+    logs = _Under("logs")
+    tensorboard = _Under("tensorboard")
+    model = _Under("model", "The run's model directories (the initial model, the warm start, HF exports).")
+    routing = _Under("routing", "Each env rank's routing decisions.")
+    reward = _Under("reward", "Each reward rank's statistics.")
+    evals = _Under("evals", "The worlds of `launch.py eval`, one per evaluated checkpoint.")
+    report = _Under("report", "`launch.py report`'s default output folder.")
+    redundant = _Under("redundant.jsonl", "The controller's log of redundant dispatches.")
+    job_script = _Under("job.sbatch", "The sbatch script `launch.py submit` wrote for this run.")
 
     def failure(self, rank: int) -> Path:
         return self.failures / f"rank-{rank}.json"
-
-    @property
-    def pids(self) -> Path:
-        """Each rank's pid file and exit file of this attempt (`pid_file`, `exit_file`)."""
-        return self.root / "pids"
 
     def pid_file(self, rank: int) -> Path:
         return self.pids / f"rank-{rank}.pid"
 
     def exit_file(self, rank: int) -> Path:
         return self.pids / f"rank-{rank}.exit"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / "tensorboard"
-
-    @property
-    def model(self) -> Path:
-        """The run's model directories (the initial model, the warm start, HF exports)."""
-        return self.root / "model"
-
-    @property
-    def routing(self) -> Path:
-        """Each env rank's routing decisions."""
-        return self.root / "routing"
-
-    @property
-    def reward(self) -> Path:
-        """Each reward rank's statistics."""
-        return self.root / "reward"
-
-    @property
-    def evals(self) -> Path:
-        """The worlds of `launch.py eval`, one per evaluated checkpoint."""
-        return self.root / "evals"
-
-    @property
-    def report(self) -> Path:
-        """`launch.py report`'s default output folder."""
-        return self.root / "report"
-
-    @property
-    def redundant(self) -> Path:
-        """The controller's log of redundant dispatches."""
-        return self.root / "redundant.jsonl"
-
-    @property
-    def job_script(self) -> Path:
-        """The sbatch script `launch.py submit` wrote for this run."""
-        return self.root / "job.sbatch"
 
 
 RUN_OUTPUTS = (RunLayout.TRAJECTORIES_NAME, RunLayout.METRICS_NAME, RunLayout.SUMMARY_NAME)
