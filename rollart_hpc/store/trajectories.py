@@ -446,6 +446,11 @@ def read_store(path: str | Path) -> StoreContents:
     return StoreContents(pos, records)
 
 
+_READ_AS: dict[str, Any] = {"S": _decode, "f": float, "u": bool, "i": int}
+"""How a scalar row column is read back, by the first letter of its dtype in `ROW_COLUMNS`."""
+_COMPOUND = ("tags", "dispatch_json")  # row columns that are not one record field each
+
+
 def _record(
     i: int,
     cols: dict[str, np.ndarray],
@@ -457,30 +462,17 @@ def _record(
 ) -> TrajectoryRecord:
     lo, hi = int(offsets[i]), int(offsets[i + 1])
     tags = _decode(cols["tags"][i])
+    scalars = {n: _READ_AS[dtype[0]](cols[n][i]) for n, dtype in ROW_COLUMNS.items() if n not in _COMPOUND}
     return TrajectoryRecord(
         row=i,
-        episode_id=_decode(cols["episode_id"][i]),
-        task_id=_decode(cols["task_id"][i]),
-        family=_decode(cols["family"][i]),
         tags=tuple(tags.split(",")) if tags else (),
         token_ids=toks["ids"][lo:hi],
         action_mask=toks["action_mask"][lo:hi],
         logprobs=toks["logprobs"][lo:hi],
         versions=toks["versions"][lo:hi],
-        reward=float(cols["reward"][i]),
-        success=bool(cols["success"][i]),
-        env_return=float(cols["env_return"][i]),
-        env_won=bool(cols["env_won"][i]),
-        num_turns=int(cols["num_turns"][i]),
-        prompt_len=int(cols["prompt_len"][i]),
-        traj_status=_decode(cols["traj_status"][i]),
-        finish_cause=_decode(cols["finish_cause"][i]),
-        error=_decode(cols["error"][i]),
-        dispatch_version=int(cols["dispatch_version"][i]),
-        dispatch_time=float(cols["dispatch_time"][i]),
-        finish_time=float(cols["finish_time"][i]),
         dispatch=json.loads(_decode(cols["dispatch_json"][i])),
         final_status=STATUS_NAMES.get(int(codes[i]), "pending"),
         final_version=int(versions[i]),
         final_cause=causes[i],
+        **scalars,
     )
