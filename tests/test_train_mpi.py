@@ -111,8 +111,12 @@ def test_two_data_parallel_ranks_match_one(tmp_path: Path) -> None:
     assert not torch.equal(dp1["weights"]["model.norm.weight"], initial["model.norm.weight"])
     for name, w1 in dp1["weights"].items():
         # AdamW divides by sqrt(v): on elements whose gradient is near 0 that ordering noise grows towards the
-        # lr (1e-3); 5e-5 still tells a different update apart (the gradients are pinned above).
-        torch.testing.assert_close(dp2["weights"][name], w1, rtol=0, atol=5e-5)
+        # lr (1e-3; 5.3e-5 seen once on one element of 16,384 on a loaded box). A different update moves most
+        # elements by up to 2 lr; here every element stays within lr / 4 and at most 1 in 1,000 (at least 1) beyond 5e-5
+        # (the gradients are pinned above).
+        diff = (dp2["weights"][name] - w1).abs()
+        assert float(diff.max()) <= 2.5e-4, (name, float(diff.max()))
+        assert int((diff > 5e-5).sum()) <= max(1, diff.numel() // 1000), (name, int((diff > 5e-5).sum()))
     # The DP=2 checkpoint (written by two ranks) restores the DP=2 weights exactly in a 1-rank trainer.
     assert all(torch.equal(dp1["loaded"][k], dp2["weights"][k]) for k in dp2["weights"])
 
