@@ -1,11 +1,14 @@
-"""A reward service running in the test's own event loop, stopped (and awaited) on exit."""
+"""Reward test helpers: a reward service running in the test's own event loop, stopped (and awaited) on
+exit, and a reward function that scores only when enough of its calls run at once."""
 
 import asyncio
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from rollart_hpc.config.schema import RewardConfig
+from rollart_hpc.reward.functions import RewardInput, RewardOutput
 from rollart_hpc.reward.service import RewardService
 
 
@@ -18,3 +21,15 @@ async def running_service(tmp_path: Path, cfg: RewardConfig) -> AsyncIterator[Re
     finally:
         service.stop()
         await task
+
+
+def meeting_fn(num_calls: int) -> Callable[[RewardInput], RewardOutput]:
+    """A reward function (reward 0.5, no success) whose calls pass only once `num_calls` of them run at
+    the same time; a call waits 5 s at most."""
+    barrier = threading.Barrier(num_calls, timeout=5)
+
+    def meet(inp: RewardInput) -> RewardOutput:
+        barrier.wait()
+        return RewardOutput(0.5, False)
+
+    return meet

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.asyncio
-from reward_running import running_service
+from reward_running import meeting_fn, running_service
 
 from rollart_hpc.config import load_config
 from rollart_hpc.config.schema import RewardConfig
@@ -76,13 +75,7 @@ def test_pool_scales_to_zero_and_cold_starts_again() -> None:
 
 
 def test_pool_grows_under_queue_pressure_up_to_its_maximum(monkeypatch: pytest.MonkeyPatch) -> None:
-    barrier = threading.Barrier(3, timeout=5)
-
-    def slow(inp: RewardInput) -> RewardOutput:
-        barrier.wait()  # passes only once three calls run at the same time
-        return RewardOutput(0.5, False)
-
-    monkeypatch.setitem(REWARD_FNS, "slow", slow)
+    monkeypatch.setitem(REWARD_FNS, "slow", meeting_fn(3))  # passes only once three calls run at once
     cfg = RewardPoolConfig(max_workers=3, idle_shutdown_s=60.0, fn_for_family={"calc_math": "slow"})
     pool = RewardPool(cfg)
     scored = asyncio.run(pool.score_many([_traj(i) for i in range(6)]))
