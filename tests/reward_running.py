@@ -1,5 +1,6 @@
 """Reward test helpers: a reward service running in the test's own event loop, stopped (and awaited) on
-exit, and a reward function that scores only when enough of its calls run at once."""
+exit, a reward function that scores only when enough of its calls run at once, and calc_math episodes
+to score."""
 
 import asyncio
 import threading
@@ -8,8 +9,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from rollart_hpc.config.schema import RewardConfig
+from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.reward.functions import RewardInput, RewardOutput
 from rollart_hpc.reward.service import RewardService
+from rollart_hpc.tasks.families.calc_math import generate_problem
 
 
 @asynccontextmanager
@@ -33,3 +36,18 @@ def meeting_fn(num_calls: int) -> Callable[[RewardInput], RewardOutput]:
         return RewardOutput(0.5, False)
 
     return meet
+
+
+def calc_math_traj(index: int, right: bool = True) -> Trajectory:
+    """A finished calc_math episode on problem `index` that answered it right (or one off)."""
+    gold = generate_problem(index).answer
+    task_id = f"calc_math/{index:04d}"
+    t = Trajectory(
+        task_id,
+        "calc_math",
+        ("calc_math",),
+        f"ep{index:08d}",
+        actions=[f"<answer>{gold + (not right)}</answer>"],
+    )
+    t.finish_cause = "done"
+    return t
