@@ -8,7 +8,6 @@ which checkpoint the engine holds from `state`, so the order of the tests does n
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +30,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MAX_LEN = 256
 TAIL = 24  # tokens after a swap checked against the new model
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _make(root: Path, family: str, tied: bool, seed: int) -> Path:
@@ -49,18 +47,6 @@ def _make(root: Path, family: str, tied: bool, seed: int) -> Path:
         rope_theta=500.0,
         init_std=0.08,
     )
-
-
-@pytest.fixture(scope="module")
-def vllm_env() -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 @pytest.fixture(
