@@ -37,8 +37,7 @@ def trained_by_step(run_dir):
 
 def test_async_run_accounts_for_every_trajectory(tmp_path):
     run_dir = run(
-        tmp_path,
-        "async",
+        tmp_path / "async",
         "controller.mode=async",
         "controller.max_staleness=1",
         "envs.faults.crash_prob=0.1",
@@ -154,8 +153,7 @@ def test_eval_rounds_in_run_and_standalone_eval_of_a_checkpoint(tmp_path):
     """Evaluation rounds during a run (every step, greedy too, held-out split) and at its end, outside the
     training accounting; then `launch.py eval` of the run's checkpoint through a world of its own."""
     run_dir = run(
-        tmp_path,
-        "eval",
+        tmp_path / "eval",
         "controller.num_steps=2",
         "controller.eval_every_steps=1",
         "controller.eval_greedy=true",
@@ -193,8 +191,7 @@ def test_gspo_arm_with_kl_and_entropy_logs_both_per_step(tmp_path):
     """A new arm end to end: GSPO's sequence ratio, a KL to the warm start and an entropy bonus; every RL
     step logs kl (0 while the policy is still the reference) and the action-token entropy."""
     run_dir = run(
-        tmp_path,
-        "gspo",
+        tmp_path / "gspo",
         "algo.name=gspo",
         "algo.kl_coef=0.01",
         "algo.kl_estimator=k3",
