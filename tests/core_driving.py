@@ -1,5 +1,7 @@
 """Driving a `ControllerCore` by hand in tests: results for its tickets, and running a run to its end."""
 
+from hypothesis import strategies as st
+
 from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.controller.core import ControllerCore
 
@@ -26,6 +28,32 @@ def train_next_batch(core: ControllerCore, trained_at: dict[str, int], max_stale
             assert b.step - r.trajectory.oldest_version() <= max_staleness
             trained_at[r.ticket.episode_id] = b.step
         core.on_published(b.step + 1)
+    return b
+
+
+# What a random interleaving does to a core, one (operation, pick) at a time: see `play`.
+EVENTS = st.lists(
+    st.tuples(st.sampled_from(["dispatch", "finish", "fail", "batch", "rollout"]), st.integers(0, 1000)),
+    max_size=120,
+)
+
+
+def play(core: ControllerCore, op: str, pick: int, trained_at: dict[str, int], max_staleness: int):
+    """One event of `EVENTS` (finishing or failing the in-flight ticket that `pick` chooses), then the
+    invariants: the accounting balances and admission stays within its limit. Returns the batch a
+    "batch" event took, else None."""
+    b = None
+    if op == "dispatch":
+        core.dispatch()
+    elif op in ("finish", "fail") and core.in_flight:
+        ticket = list(core.in_flight.values())[pick % len(core.in_flight)]
+        core.on_result(finish(ticket, max(ticket.version, core.rollout_version), failed=op == "fail"))
+    elif op == "batch":
+        b = train_next_batch(core, trained_at, max_staleness)
+    elif op == "rollout":
+        core.on_rollout_version(core.version)
+    assert core.balanced()
+    assert core.admitted <= core.admission_limit()
     return b
 
 

@@ -38,11 +38,14 @@ def drain(engine: Engine, timeout_s: float = 120.0) -> dict[str, RequestOutput]:
     return done
 
 
-def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, RequestOutput]:
+def run(
+    engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]], in_flight: tuple[str, ...] = ()
+) -> dict[str, RequestOutput]:
+    """Adds `requests` and drains the engine: out come exactly they and the ids already `in_flight`."""
     for rid, (prompt, sampling) in requests.items():
         engine.add_request(rid, prompt, sampling)
     outs = drain(engine)
-    assert set(outs) == set(requests)
+    assert set(outs) == set(requests) | set(in_flight)
     return outs
 
 

@@ -1,8 +1,14 @@
-"""What a job script's log says about its srun step (shared by the slurm-marked tests).
+"""Reading a SLURM job from the slurm-marked tests: its clients' answers, the nodes its ranks ran on,
+and what a job script's log says about its srun step.
 
 A step succeeded when srun exited 0, or when srun hung after the step (a known Slurm 22.05 bug) and
 `srun_watch` killed it after every rank had written its exit record: the job script then counts the step
 as a success (slurm/templates/hetjob.sbatch.in)."""
+
+import json
+import subprocess
+import time
+from pathlib import Path
 
 SRUN_EXITED_0 = "[slurm] step exited with status 0"
 HUNG_SRUN_FINISHED = "[slurm] every rank had finished before srun hung: the step counts as a success"
@@ -10,3 +16,18 @@ HUNG_SRUN_FINISHED = "[slurm] every rank had finished before srun hung: the step
 
 def step_succeeded(log: str) -> bool:
     return SRUN_EXITED_0 in log or HUNG_SRUN_FINISHED in log
+
+
+def query(argv: list[str]) -> str:
+    """stdout of a SLURM client; retried, since a loaded slurmctld sometimes drops a connection."""
+    for _ in range(5):
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+        if proc.returncode == 0:
+            return proc.stdout
+        time.sleep(2.0)
+    raise AssertionError(f"{' '.join(argv)} failed 5 times: {proc.stderr.strip()}")
+
+
+def rank_nodes(run_dir: Path) -> dict[int, str]:
+    pids = sorted((run_dir / "pids").glob("rank-*.pid"))
+    return {int(p.stem.split("-")[1]): json.loads(p.read_text())["node"] for p in pids}

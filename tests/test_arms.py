@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from core_driving import finish, run_to_end, train_next_batch
+from core_driving import EVENTS, finish, play, run_to_end
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -361,15 +361,9 @@ def test_old_tickets_and_checkpoints_load():
     assert core.groups == {} and core.open_group is None
 
 
-events = st.lists(
-    st.tuples(st.sampled_from(["dispatch", "finish", "fail", "batch", "rollout"]), st.integers(0, 1000)),
-    max_size=120,
-)
-
-
 @settings(max_examples=60, deadline=None)
 @given(
-    ops=events,
+    ops=EVENTS,
     mode=st.sampled_from(["async", "one_step_off", "sync"]),
     size_and_groups=st.sampled_from([(2, 1), (2, 2), (3, 1), (4, 1)]),
     seed=st.integers(0, 3),
@@ -382,20 +376,10 @@ def test_group_interleavings_keep_invariants(ops, mode, size_and_groups, seed, c
     s = core.max_staleness
     trained_at = {}
     for op, pick in ops:
-        if op == "dispatch":
-            core.dispatch()
-        elif op in ("finish", "fail") and core.in_flight:
-            ticket = list(core.in_flight.values())[pick % len(core.in_flight)]
-            core.on_result(finish(ticket, max(ticket.version, core.rollout_version), failed=op == "fail"))
-        elif op == "batch":
-            b = train_next_batch(core, trained_at, s)
-            if b is not None:
-                groups = [r.ticket.group_id for r in b.results]
-                assert len(set(groups)) == per_batch and all(groups.count(g) >= 2 for g in groups)
-        elif op == "rollout":
-            core.on_rollout_version(core.version)
-        assert core.balanced()
-        assert core.admitted <= core.admission_limit()
+        b = play(core, op, pick, trained_at, s)
+        if b is not None:
+            groups = [r.ticket.group_id for r in b.results]
+            assert len(set(groups)) == per_batch and all(groups.count(g) >= 2 for g in groups)
         assert all(core.sampler.in_flight(t) <= cap for t in TASKS)
     assert not core.dropped.get("stale")
     run_to_end(core, 300)  # liveness: finishing everything in flight lets the run reach its last step

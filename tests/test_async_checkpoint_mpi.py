@@ -147,11 +147,6 @@ if __name__ == "__main__":
     _worker(*sys.argv[1:5])
 
 
-def _rows(run_dir: Path) -> list[str]:
-    path = run_dir / "metrics.jsonl"
-    return path.read_text().splitlines() if path.exists() else []
-
-
 def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 400) -> None:
     tick, deadline = threading.Event(), time.monotonic() + timeout_s
     while not predicate():
@@ -168,6 +163,8 @@ def test_a_run_whose_trainer_dies_during_a_background_save_resumes_from_the_last
     """Run level: step-2's save is let through, step-4's is held at its gate; step 5 trains while it is in
     flight (the controller did not wait for it, nor mark it complete); the trainer rank is SIGKILLed, the
     restart resumes from step 2, and once step-4's writer is let through the run finishes."""
+    from launching import metric_lines, rank_pid, read_summary, start_run
+
     from rollart_hpc.controller import checkpoint as ckpt
 
     run_dir, gate = tmp_path / "run", tmp_path / "gate"
@@ -178,22 +175,13 @@ def test_a_run_whose_trainer_dies_during_a_background_save_resumes_from_the_last
         "controller.keep_checkpoints=5", "controller.checkpoint_async=true",
         f"controller.checkpoint_write_gate={gate}",
     ]  # fmt: skip
-    repo = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, str(repo / "launch.py"), "run", "configs/tiny.toml", "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(
-        [*cmd, "--max-restarts", "1", *overrides],
-        cwd=repo,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_run(run_dir, "--max-restarts", "1", *overrides)
     try:
-        _until(lambda: len(_rows(run_dir)) >= 5, "step 5 trained")
+        _until(lambda: len(metric_lines(run_dir)) >= 5, "step 5 trained")
         held = ckpt.step_dir(run_dir, 4)
         assert ckpt.latest(run_dir) == ckpt.step_dir(run_dir, 2)
         assert not ckpt.complete(held) and (held / ".trainer.tmp" / "common.pt").is_file()
-        pid = json.loads((run_dir / "pids" / f"rank-{TRAINER_RANK}.pid").read_text())["pid"]
-        os.kill(pid, signal.SIGKILL)
+        os.kill(rank_pid(run_dir, TRAINER_RANK), signal.SIGKILL)
         _until(lambda: (run_dir / "restarts.jsonl").is_file(), "the restart")
         (gate / "step-000004").touch()
         out, err = proc.communicate(timeout=600)
@@ -203,5 +191,5 @@ def test_a_run_whose_trainer_dies_during_a_background_save_resumes_from_the_last
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     assert "restart 1/1 from step 2" in out
     assert ckpt.latest(run_dir) == ckpt.step_dir(run_dir, 4)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["balanced"] and summary["accounting"]["trained"] == 5 * 4

@@ -62,47 +62,51 @@ def test_good_model_passes(model_dir):
     assert check_model_dir(model_dir).vocab_size == 300
 
 
-def test_truncated_weights_are_named(model_dir, tmp_path):
-    folder = copy_model(model_dir, tmp_path)
+def truncate_weights(folder):
     weights = folder / "model.safetensors"
     os.truncate(weights, weights.stat().st_size - 100)
-    with pytest.raises(UsageError, match=r"model\.safetensors: truncated or corrupt"):
-        check_model_dir(folder)
 
 
-def test_garbage_weights_are_named(model_dir, tmp_path):
-    folder = copy_model(model_dir, tmp_path)
-    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
-    with pytest.raises(
-        UsageError, match=r"model\.safetensors: corrupt safetensors file \(header is not JSON\)"
-    ):
-        check_model_dir(folder)
-
-
-def test_corrupt_model_config_is_named(model_dir, tmp_path):
-    folder = copy_model(model_dir, tmp_path)
-    (folder / "config.json").write_text("{ not json")
-    with pytest.raises(UsageError, match=r"config\.json: not a usable model config"):
-        check_model_dir(folder)
-
-
-def test_tokenizer_larger_than_the_model_is_named(model_dir, tmp_path):
+def grow_tokenizer(folder):
     from tokenizers import Tokenizer
 
-    folder = copy_model(model_dir, tmp_path)
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tokenizer.add_tokens([f"extra{i}" for i in range(400)])
     tokenizer.save(str(folder / "tokenizer.json"))
-    with pytest.raises(
-        UsageError, match=r"tokenizer\.json: tokenizer does not match the model: token id \d+"
-    ):
-        check_model_dir(folder)
 
 
-def test_unreadable_tokenizer_is_named(model_dir, tmp_path):
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (truncate_weights, r"model\.safetensors: truncated or corrupt"),
+        (
+            lambda folder: (folder / "model.safetensors").write_bytes(
+                b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!"
+            ),
+            r"model\.safetensors: corrupt safetensors file \(header is not JSON\)",
+        ),
+        (
+            lambda folder: (folder / "config.json").write_text("{ not json"),
+            r"config\.json: not a usable model config",
+        ),
+        (grow_tokenizer, r"tokenizer\.json: tokenizer does not match the model: token id \d+"),
+        (
+            lambda folder: (folder / "tokenizer.json").write_text('{"version": "1.0"'),
+            r"tokenizer\.json: unreadable tokenizer",
+        ),
+    ],
+    ids=[
+        "truncated-weights",
+        "garbage-weights",
+        "corrupt-config",
+        "larger-tokenizer",
+        "unreadable-tokenizer",
+    ],
+)
+def test_a_damaged_model_file_is_named(model_dir, tmp_path, damage, message):
     folder = copy_model(model_dir, tmp_path)
-    (folder / "tokenizer.json").write_text('{"version": "1.0"')
-    with pytest.raises(UsageError, match=r"tokenizer\.json: unreadable tokenizer"):
+    damage(folder)
+    with pytest.raises(UsageError, match=message):
         check_model_dir(folder)
 
 

@@ -3,11 +3,11 @@ usage errors naming the key, exit 2), its reward route, and the example's agent 
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launching import usage_error_line
 
 from rollart_hpc.config import load_config
 from rollart_hpc.contracts.errors import UsageError
@@ -59,24 +59,8 @@ def test_a_malformed_agent_path_is_refused_when_the_config_loads():
 
 
 def test_launch_exits_2_with_one_line_for_a_missing_agent(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch.py"),
-            "run",
-            str(EXAMPLE),
-            "envs.agent='calc_agent:missing'",
-            "--run-dir",
-            str(tmp_path / "run"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "envs.agent" in lines[0] and "'calc_agent:missing'" in lines[0], lines
+    line = usage_error_line("run", EXAMPLE, "envs.agent='calc_agent:missing'", "--run-dir", tmp_path / "run")
+    assert "envs.agent" in line and "'calc_agent:missing'" in line, line
     assert not (tmp_path / "run").exists()
 
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launching import usage_error_line
 
 from rollart_hpc.config import load_config
 from rollart_hpc.config.loader import build
@@ -47,25 +48,15 @@ def test_import_paths_fail_in_one_line_naming_what_is_wrong():
 
 @pytest.mark.parametrize("command", [["run"], ["submit", "--dry-run"]])
 def test_missing_factory_exits_2_with_one_line_naming_key_and_path(tmp_path, command):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch.py"),
-            *command,
-            str(WORDLE),
-            "envs.plugins=[{name='wordle', factory='my_pkg.missing:make_family'}]",
-            "--run-dir",
-            str(tmp_path / "run"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    line = usage_error_line(
+        *command,
+        WORDLE,
+        "envs.plugins=[{name='wordle', factory='my_pkg.missing:make_family'}]",
+        "--run-dir",
+        tmp_path / "run",
     )
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "envs.plugins[0].factory" in lines[0], lines
-    assert "my_pkg.missing:make_family" in lines[0] and "No module named 'my_pkg'" in lines[0]
+    assert "envs.plugins[0].factory" in line, line
+    assert "my_pkg.missing:make_family" in line and "No module named 'my_pkg'" in line
     assert not (tmp_path / "run").exists()
 
 
@@ -400,24 +391,14 @@ def test_missing_dataset_file_is_a_usage_error(tmp_path):
 
 
 def test_reward_service_refuses_a_bad_reward_function_in_one_line(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch.py"),
-            "reward-service",
-            str(WORDLE),
-            "reward.functions={wordle='wordle_game:missing'}",
-            "--run-dir",
-            str(tmp_path / "service"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    line = usage_error_line(
+        "reward-service",
+        WORDLE,
+        "reward.functions={wordle='wordle_game:missing'}",
+        "--run-dir",
+        tmp_path / "service",
     )
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "reward.functions.wordle: 'wordle_game:missing'" in lines[0], lines
+    assert "reward.functions.wordle: 'wordle_game:missing'" in line, line
 
 
 def test_num_heldout_of_an_own_family_is_any_count_from_zero():

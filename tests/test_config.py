@@ -104,12 +104,19 @@ def test_resolved_round_trip(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
-def test_schema_import_is_torch_free():
-    code = (
+@pytest.mark.parametrize(
+    "code",
+    [
         "import sys, rollart_hpc.config, rollart_hpc.config.schema, rollart_hpc.cluster.plan\n"
         "heavy = [m for m in ('torch', 'megatron', 'vllm', 'mpi4py', 'transformers') if m in sys.modules]\n"
-        "assert not heavy, heavy\n"
-    )
+        "assert not heavy, heavy\n",
+        "import sys, rollart_hpc.config.choices\n"
+        "ours = sorted(m for m in sys.modules if m.startswith('rollart_hpc.'))\n"
+        "assert all(m.startswith(('rollart_hpc.config', 'rollart_hpc.contracts')) for m in ours), ours\n",
+    ],
+    ids=["schema-is-torch-free", "choices-import-only-config-and-contracts"],
+)
+def test_config_imports_in_a_fresh_interpreter(code):
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -125,15 +132,6 @@ def test_every_field_is_documented():
                 walk(f.default_factory)
 
     walk(Config)
-
-
-def test_choices_are_torch_free_and_config_imports_only_contracts():
-    code = (
-        "import sys, rollart_hpc.config.choices\n"
-        "ours = sorted(m for m in sys.modules if m.startswith('rollart_hpc.'))\n"
-        "assert all(m.startswith(('rollart_hpc.config', 'rollart_hpc.contracts')) for m in ours), ours\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_mode_staleness():

@@ -6,7 +6,7 @@ Pins invariants 1-3 of the `rollart_hpc/controller/core.py` docstring.
 from collections import Counter
 
 import pytest
-from core_driving import finish, run_to_end, train_next_batch
+from core_driving import EVENTS, finish, play, run_to_end, train_next_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -82,15 +82,9 @@ def test_due_trajectories_are_waited_for():
     assert t[0].episode_id in [r.ticket.episode_id for r in batch.results]
 
 
-events = st.lists(
-    st.tuples(st.sampled_from(["dispatch", "finish", "fail", "batch", "rollout"]), st.integers(0, 1000)),
-    max_size=120,
-)
-
-
 @settings(max_examples=60, deadline=None)
 @given(
-    ops=events,
+    ops=EVENTS,
     s=st.integers(0, 2),
     mode=st.sampled_from(["async", "one_step_off", "sync"]),
     batch=st.integers(1, 4),
@@ -101,17 +95,7 @@ def test_random_interleavings_keep_invariants(ops, s, mode, batch, seed):
     core = make_core(mode=mode, s=s, batch=batch, steps=6, cap=2, seed=seed)
     trained_at = {}
     for op, pick in ops:
-        if op == "dispatch":
-            core.dispatch()
-        elif op in ("finish", "fail") and core.in_flight:
-            ticket = list(core.in_flight.values())[pick % len(core.in_flight)]
-            core.on_result(finish(ticket, max(ticket.version, core.rollout_version), failed=op == "fail"))
-        elif op == "batch":
-            train_next_batch(core, trained_at, s)
-        elif op == "rollout":
-            core.on_rollout_version(core.version)
-        assert core.balanced()
-        assert core.admitted <= core.admission_limit()
+        play(core, op, pick, trained_at, s)
     assert not core.dropped.get("stale")
     run_to_end(core, 200)  # liveness: finishing everything in flight always lets the run reach its last step
 

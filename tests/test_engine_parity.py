@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import engine_contract as contract
 import pytest
 import torch
 
-from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
+from rollart_hpc.contracts.generation import SamplingParams
 from rollart_hpc.inference.decoder import Decoder, Segment, SlotKVCache, _inv_freq
 from rollart_hpc.inference.engine import LLMEngine
 from rollart_hpc.inference.packed import pack_weights
@@ -69,23 +70,6 @@ def hf_model(model_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _prompts(vocab: int, lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
-def _run(
-    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
-) -> dict[str, RequestOutput]:
-    for rid, (prompt, sampling) in requests.items():
-        engine.add_request(rid, prompt, sampling)
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            done[out.request_id] = out
-    return done
-
-
 def _hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return hf_model(torch.tensor([ids])).logits[0].float()
@@ -101,7 +85,7 @@ def test_prefill_and_every_decode_step_match_hf_logits(
     weights = pack_weights(config, load_weights(model_dir, config), torch.float32, backend)
     decoder = Decoder(config, max_len=64)
     cache = SlotKVCache(config, num_slots=3, max_len=64, dtype=torch.float32)
-    ids = _prompts(config.vocab_size, (9,))[0]
+    ids = contract.prompts((9,), 0, config.vocab_size)[0]
     with torch.inference_mode():
         prefill = decoder.extend(weights, cache, 1, torch.tensor(ids), 0, all_logits=True)
         assert (prefill - _hf_logits(hf_model, ids)).abs().max() < 1e-4
@@ -115,9 +99,9 @@ def test_prefill_and_every_decode_step_match_hf_logits(
 
 def test_greedy_continuation_identical_to_hf_generate(model_dir: Path, hf_model: torch.nn.Module) -> None:
     engine = LLMEngine.from_pretrained(model_dir, num_slots=2, max_model_len=64, eos_token_ids=())
-    prompt = _prompts(engine.config.vocab_size, (11,))[0]
+    prompt = contract.prompts((11,), 0, engine.config.vocab_size)[0]
     steps = 32
-    out = _run(engine, {"a": (prompt, SamplingParams(temperature=0.0, max_tokens=steps))})["a"]
+    out = contract.run(engine, {"a": (prompt, SamplingParams(temperature=0.0, max_tokens=steps))})["a"]
     with torch.inference_mode():
         ref = hf_model.generate(
             torch.tensor([prompt]),
@@ -154,10 +138,10 @@ def test_rope_inverse_frequencies_equal_transformers(model_dir: Path, hf_model: 
 
 def test_sampled_logprobs_equal_hf_log_softmax(model_dir: Path, hf_model: torch.nn.Module) -> None:
     engine = LLMEngine.from_pretrained(model_dir, num_slots=2, max_model_len=64, eos_token_ids=())
-    prompt = _prompts(engine.config.vocab_size, (7,))[0]
+    prompt = contract.prompts((7,), 0, engine.config.vocab_size)[0]
     plain = SamplingParams(temperature=1.0, max_tokens=10, seed=5)
     filtered = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=10, seed=6)
-    outs = _run(engine, {"plain": (prompt, plain), "filtered": (prompt, filtered)})
+    outs = contract.run(engine, {"plain": (prompt, plain), "filtered": (prompt, filtered)})
     logits = _hf_logits(hf_model, prompt + outs["plain"].token_ids)
     lp = logits.log_softmax(-1)
     expected = [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(outs["plain"].token_ids)]
@@ -178,22 +162,22 @@ def test_sampled_logprobs_equal_hf_log_softmax(model_dir: Path, hf_model: torch.
 
 def test_batched_equals_unbatched_greedy(model_dir: Path) -> None:
     engine = LLMEngine.from_pretrained(model_dir, num_slots=4, max_model_len=64, eos_token_ids=())
-    prompts = _prompts(engine.config.vocab_size, (5, 13, 8, 21), seed=1)
-    together = _run(engine, {str(i): (p, GREEDY) for i, p in enumerate(prompts)})
+    prompts = contract.prompts((5, 13, 8, 21), 1, engine.config.vocab_size)
+    together = contract.run(engine, {str(i): (p, GREEDY) for i, p in enumerate(prompts)})
     for i, p in enumerate(prompts):
-        alone = _run(engine, {f"alone{i}": (p, GREEDY)})[f"alone{i}"]
+        alone = contract.run(engine, {f"alone{i}": (p, GREEDY)})[f"alone{i}"]
         assert together[str(i)].token_ids == alone.token_ids
 
 
 def test_request_added_mid_flight_matches_alone(model_dir: Path) -> None:
     engine = LLMEngine.from_pretrained(model_dir, num_slots=3, max_model_len=64, eos_token_ids=())
-    first, late = _prompts(engine.config.vocab_size, (6, 10), seed=2)
+    first, late = contract.prompts((6, 10), 2, engine.config.vocab_size)
     long = SamplingParams(temperature=0.0, max_tokens=20)
     engine.add_request("first", first, long)
     for _ in range(5):
         assert engine.step() == []
-    outs = _run(engine, {"late": (late, GREEDY)})
-    alone = _run(
+    outs = contract.run(engine, {"late": (late, GREEDY)}, in_flight=("first",))
+    alone = contract.run(
         LLMEngine.from_pretrained(model_dir, num_slots=1, max_model_len=64, eos_token_ids=()),
         {"x": (late, GREEDY)},
     )
@@ -202,15 +186,15 @@ def test_request_added_mid_flight_matches_alone(model_dir: Path) -> None:
 
 
 def test_chunked_prefill_gives_same_tokens(model_dir: Path) -> None:
-    prompts = _prompts(load_config(model_dir).vocab_size, (30, 17), seed=4)
+    prompts = contract.prompts((30, 17), 4, load_config(model_dir).vocab_size)
     requests = {str(i): (p, GREEDY) for i, p in enumerate(prompts)}
-    whole = _run(
+    whole = contract.run(
         LLMEngine.from_pretrained(model_dir, num_slots=2, max_model_len=64, eos_token_ids=()), requests
     )
     chunked_engine = LLMEngine.from_pretrained(
         model_dir, num_slots=2, max_model_len=64, eos_token_ids=(), max_num_batched_tokens=7
     )
-    chunked = _run(chunked_engine, requests)
+    chunked = contract.run(chunked_engine, requests)
     for rid in requests:
         assert chunked[rid].token_ids == whole[rid].token_ids
 
@@ -219,7 +203,7 @@ def test_batch_invariant_requests_are_bit_identical_together_or_alone(model_dir:
     """With batch_invariant, sampled tokens and their log-probs are the same bits whichever requests share
     the steps (a long prompt chunked next to decodes, a request added mid-flight, other slots)."""
     vocab = load_config(model_dir).vocab_size
-    prompts = _prompts(vocab, (5, 40, 8, 21), seed=6)
+    prompts = contract.prompts((5, 40, 8, 21), 6, vocab)
 
     def sampling(i: int) -> SamplingParams:
         return SamplingParams(temperature=1.0, max_tokens=10, seed=100 + i)
@@ -233,9 +217,11 @@ def test_batch_invariant_requests_are_bit_identical_together_or_alone(model_dir:
     together = engine(3)
     together.add_request("0", prompts[0], sampling(0))
     together.step()
-    got = _run(together, {str(i): (p, sampling(i)) for i, p in enumerate(prompts) if i})
+    got = contract.run(
+        together, {str(i): (p, sampling(i)) for i, p in enumerate(prompts) if i}, in_flight=("0",)
+    )
     for i, p in enumerate(prompts):
         alone_engine = engine(1)
-        alone = _run(alone_engine, {"x": (p, sampling(i))})["x"]
+        alone = contract.run(alone_engine, {"x": (p, sampling(i))})["x"]
         assert got[str(i)].token_ids == alone.token_ids
         assert got[str(i)].logprobs == alone.logprobs  # exact: same bits

@@ -2,41 +2,25 @@
 engine is rebuilt in place, the requests it held end as failed episodes (llm_error), the accounting
 balances and summary.json reports the failures and rebuilds per rank."""
 
-import json
-import subprocess
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
+from launching import run, settled_summary, stored_records
 
-from rollart_hpc.store.trajectories import read_store
-
-REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-
-
-def run(tmp_path, name, *overrides):
-    run_dir = tmp_path / name
-    cmd = [sys.executable, str(REPO / "launch.py"), "run", "configs/tiny.toml", "--run-dir", str(run_dir)]
-    result = subprocess.run([*cmd, *overrides], cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return run_dir
 
 
 def test_failed_engines_are_rebuilt_in_place_and_accounted(tmp_path):
     run_dir = run(
-        tmp_path,
-        "rebuild",
+        tmp_path / "rebuild",
         "rollout.fault_step_prob=0.2",
         "rollout.num_faults=2",
         "reward.fault_prob=0.3",
         "reward.max_score_attempts=2",
         "controller.max_staleness=1",
     )
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = settled_summary(run_dir)
     acc = summary["accounting"]
-    assert summary["balanced"] and acc["in_flight"] == acc["buffered"] == acc["in_training"] == 0
     counts = summary["failures_and_rebuilds"]
     (rollout,) = [v for k, v in counts.items() if k.startswith("rollout")]
     (reward,) = [v for k, v in counts.items() if k.startswith("reward")]
@@ -44,7 +28,7 @@ def test_failed_engines_are_rebuilt_in_place_and_accounted(tmp_path):
     assert reward["failures"] >= 1 and reward["rebuilds"] == 0
     assert acc["failed"].get("llm_error", 0) >= 2 and acc["trained"] == 3 * 4
     by_cause = defaultdict(int)
-    for r in read_store(run_dir / "trajectories.h5").records:
+    for r in stored_records(run_dir):
         if r.final_status == "failed":
             by_cause[r.final_cause] += 1
         if r.final_status == "trained":

@@ -9,20 +9,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import psutil
 import pytest
+from launching import REPO, start_run, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
 TRAINER_RANK = 4  # configs/tiny.toml: controller 0, rollout 1, env 2, reward 3, trainer 4
-
-
-def wait_until(predicate, timeout_s, poll_s=0.01):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(poll_s)
 
 
 def rank_pids(run_dir):
@@ -72,22 +64,8 @@ def trainer_save_finished(run_dir):
 @pytest.mark.parametrize("when", ["during", "after"])
 def test_trainer_killed_around_checkpoint_ends_run_and_leaves_nothing(tmp_path, when):
     run_dir = tmp_path / when
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "launch.py"),
-            "run",
-            "configs/tiny.toml",
-            "--run-dir",
-            str(run_dir),
-            "controller.mode=sync",
-            "controller.num_steps=6",
-            "controller.checkpoint_every_steps=1",
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    launcher = start_run(
+        run_dir, "controller.mode=sync", "controller.num_steps=6", "controller.checkpoint_every_steps=1"
     )
     try:
         wait_until(lambda: len(rank_pids(run_dir)) == 5, 300, 0.2)

@@ -7,44 +7,29 @@ version in order; `sync` trains on exactly what `async` with max_staleness 0 tra
 """
 
 import json
-import subprocess
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
+from launching import (
+    launch,
+    metric_rows,
+    rank_pid,
+    read_summary,
+    run,
+    settled_summary,
+    start_run,
+    stored_records,
+    wait_until,
+)
 
 from rollart_hpc.sim.profile import calibrate
-from rollart_hpc.store.trajectories import read_store
 
-REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-
-
-def run(tmp_path, name, *overrides):
-    run_dir = tmp_path / name
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch.py"),
-            "run",
-            "configs/tiny.toml",
-            "--run-dir",
-            str(run_dir),
-            *overrides,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return run_dir
 
 
 def trained_by_step(run_dir):
     steps = defaultdict(list)
-    for rec in read_store(run_dir / "trajectories.h5").records:
+    for rec in stored_records(run_dir):
         if rec.final_status == "trained":
             steps[rec.final_version].append((rec.episode_id, rec.task_id))
     return {k: sorted(v) for k, v in steps.items()}
@@ -52,18 +37,16 @@ def trained_by_step(run_dir):
 
 def test_async_run_accounts_for_every_trajectory(tmp_path):
     run_dir = run(
-        tmp_path,
-        "async",
+        tmp_path / "async",
         "controller.mode=async",
         "controller.max_staleness=1",
         "envs.faults.crash_prob=0.1",
         "trainer.lr=4e-3",
         "trainer.rl_lr_warmup_steps=2",
     )
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = settled_summary(run_dir)
     acc = summary["accounting"]
-    assert summary["balanced"] and acc["in_flight"] == acc["buffered"] == acc["in_training"] == 0
-    records = read_store(run_dir / "trajectories.h5").records
+    records = stored_records(run_dir)
     assert len({r.episode_id for r in records}) == len(records) == acc["dispatched"]
     by_status = defaultdict(int)
     for r in records:
@@ -81,7 +64,7 @@ def test_async_run_accounts_for_every_trajectory(tmp_path):
     loaded = summary["rollout_versions"]
     for versions in loaded.values():
         assert versions == sorted(versions) and versions[-1] == 3
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2] and [r["version"] for r in rows] == [1, 2, 3]
     for key in ("wall_s", "trained_trajectories", "train_success", "train_success/calc_math"):
         assert key in rows[0]
@@ -96,8 +79,8 @@ def test_async_run_accounts_for_every_trajectory(tmp_path):
 
 
 def test_sync_equals_async_with_zero_staleness(tmp_path):
-    sync_dir = run(tmp_path, "sync", "controller.mode=sync")
-    async_dir = run(tmp_path, "async0", "controller.mode=async", "controller.max_staleness=0")
+    sync_dir = run(tmp_path / "sync", "controller.mode=sync")
+    async_dir = run(tmp_path / "async0", "controller.mode=async", "controller.max_staleness=0")
     assert trained_by_step(sync_dir) == trained_by_step(async_dir)
     assert len(trained_by_step(sync_dir)) == 3
 
@@ -106,66 +89,18 @@ def test_trainer_log_probs_equal_the_behaviour_log_probs_at_the_sampling_tempera
     """Sync mode trains step 0 on version 0's samples: at rollout.temperature 0.7 the trainer's log-probs
     of every action token equal the engine's recorded ones (importance ratio 1)."""
     run_dir = run(
-        tmp_path, "hot", "controller.mode=sync", "controller.num_steps=1", "rollout.temperature=0.7"
+        tmp_path / "hot", "controller.mode=sync", "controller.num_steps=1", "rollout.temperature=0.7"
     )
-    (row,) = rows(run_dir)
+    (row,) = metric_rows(run_dir)
     assert row["step"] == 0 and row["num_action_tokens"] > 0
     assert row["max_abs_behaviour_log_ratio"] < 1e-5
     assert row["is_weight"] == pytest.approx(1.0, abs=1e-5)
 
 
-def start_run(run_dir, *overrides):
-    return subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "launch.py"),
-            "run",
-            "configs/tiny.toml",
-            "--run-dir",
-            str(run_dir),
-            *overrides,
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def wait_until(predicate, timeout_s):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.5)
-
-
-def rows(run_dir):
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
-def rank_pid(run_dir, rank):
-    return json.loads((run_dir / "pids" / f"rank-{rank}.pid").read_text())["pid"]
-
-
-def resume(run_dir):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "launch.py"), "resume", str(run_dir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
 def assert_complete_once(run_dir, num_steps, batch):
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["balanced"]
-    records = read_store(run_dir / "trajectories.h5").records
+    records = stored_records(run_dir)
     ids = [r.episode_id for r in records]
     assert len(ids) == len(set(ids)), "a trajectory was stored twice"
     trained = [r for r in records if r.final_status == "trained"]
@@ -174,7 +109,7 @@ def assert_complete_once(run_dir, num_steps, batch):
         r.final_status in ("trained", "dropped", "failed") and (r.final_status == "trained" or r.final_cause)
         for r in records
     )
-    assert [r["step"] for r in rows(run_dir)] == list(range(num_steps))
+    assert [r["step"] for r in metric_rows(run_dir)] == list(range(num_steps))
 
 
 def test_stop_signal_checkpoints_then_resume_finishes(tmp_path):
@@ -182,7 +117,7 @@ def test_stop_signal_checkpoints_then_resume_finishes(tmp_path):
 
     run_dir = tmp_path / "preempted"
     proc = start_run(run_dir, "controller.num_steps=8", "controller.checkpoint_every_steps=0")
-    wait_until(lambda: len(rows(run_dir)) >= 2, 600)
+    wait_until(lambda: len(metric_rows(run_dir)) >= 2, 600)
     import os
 
     os.kill(rank_pid(run_dir, 0), signal.SIGUSR2)
@@ -190,8 +125,8 @@ def test_stop_signal_checkpoints_then_resume_finishes(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert "stop requested: checkpointed at version" in out
     assert not (run_dir / "summary.json").exists()
-    stopped_at = len(rows(run_dir))
-    result = resume(run_dir)
+    stopped_at = len(metric_rows(run_dir))
+    result = launch("resume", run_dir)
     assert f"resumed from {run_dir / 'checkpoints'}" in result.stdout
     assert_complete_once(run_dir, 8, 4)
     assert stopped_at < 8
@@ -205,12 +140,12 @@ def test_killed_rank_is_named_and_resume_continues(tmp_path):
 
     run_dir = tmp_path / "killed"
     proc = start_run(run_dir, "controller.num_steps=4", "controller.checkpoint_every_steps=1")
-    wait_until(lambda: latest(run_dir) is not None and len(rows(run_dir)) >= 2, 600)
+    wait_until(lambda: latest(run_dir) is not None and len(metric_rows(run_dir)) >= 2, 600)
     os.kill(rank_pid(run_dir, 2), signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "rank 2 (env) died without reporting an error (killed or crashed)" in err
-    resume(run_dir)
+    launch("resume", run_dir)
     assert_complete_once(run_dir, 4, 4)
 
 
@@ -218,14 +153,13 @@ def test_eval_rounds_in_run_and_standalone_eval_of_a_checkpoint(tmp_path):
     """Evaluation rounds during a run (every step, greedy too, held-out split) and at its end, outside the
     training accounting; then `launch.py eval` of the run's checkpoint through a world of its own."""
     run_dir = run(
-        tmp_path,
-        "eval",
+        tmp_path / "eval",
         "controller.num_steps=2",
         "controller.eval_every_steps=1",
         "controller.eval_greedy=true",
         "controller.checkpoint_every_steps=1",
     )
-    all_rows = rows(run_dir)
+    all_rows = metric_rows(run_dir)
     evals = [r for r in all_rows if r.get("kind") == "eval"]
     assert [r["step"] for r in all_rows if r.get("kind") != "eval"] == [0, 1]
     assert evals[0]["version"] == 0 and evals[-1]["version"] == 2  # the first version and the final one
@@ -238,21 +172,14 @@ def test_eval_rounds_in_run_and_standalone_eval_of_a_checkpoint(tmp_path):
         ):
             assert 0.0 <= r[key] <= 1.0
         assert r["eval_episodes"] == 2 * (12 + 32) and r["step"] == r["version"]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert (
         summary["balanced"] and summary["accounting"]["dispatched"] == summary["accounting"]["trained"] == 8
     )
     assert summary["eval"]["version"] == 2
-    records = read_store(run_dir / "trajectories.h5").records
+    records = stored_records(run_dir)
     assert len(records) == 8 and not [r for r in records if r.episode_id.startswith("eval-")]
-    result = subprocess.run(
-        [sys.executable, str(REPO / "launch.py"), "eval", str(run_dir), "--checkpoint", "step-1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = launch("eval", run_dir, "--checkpoint", "step-1")
     assert "heldout_success/calc_math" in result.stdout
     out = json.loads((run_dir / "eval-step-000001.json").read_text())
     assert out["version"] == out["row"]["version"] == 1 and out["row"]["eval_episodes"] == 2 * (12 + 32)
@@ -264,8 +191,7 @@ def test_gspo_arm_with_kl_and_entropy_logs_both_per_step(tmp_path):
     """A new arm end to end: GSPO's sequence ratio, a KL to the warm start and an entropy bonus; every RL
     step logs kl (0 while the policy is still the reference) and the action-token entropy."""
     run_dir = run(
-        tmp_path,
-        "gspo",
+        tmp_path / "gspo",
         "algo.name=gspo",
         "algo.kl_coef=0.01",
         "algo.kl_estimator=k3",
@@ -273,7 +199,7 @@ def test_gspo_arm_with_kl_and_entropy_logs_both_per_step(tmp_path):
         "controller.mode=sync",
         "controller.num_steps=2",
     )
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(run_dir)
     steps = [r for r in rows if "num_updates" in r]
     assert [r["step"] for r in steps] == [0, 1]
     assert steps[0]["kl"] == 0.0 and steps[1]["kl"] >= 0.0

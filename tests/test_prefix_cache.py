@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_contract import run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,13 +87,7 @@ def _engine(model_dir: Path, prefix_slots: int, num_slots: int = 2) -> LLMEngine
 
 
 def _run(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, RequestOutput]:
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, GREEDY)
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            done[out.request_id] = out
-    return done
+    return run(engine, {rid: (prompt, GREEDY) for rid, prompt in prompts.items()})
 
 
 def _episodes(engine: LLMEngine, turns: int, num: int) -> list[RequestOutput]:

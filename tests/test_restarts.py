@@ -6,18 +6,13 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
+from launching import REPO, metric_lines, rank_pid, read_summary, start_run, stored_records, wait_until
 
 from rollart_hpc.controller import checkpoint as ckpt
 from rollart_hpc.entry.restarts import RESTARTS, WorldOutcome, read_restarts, run_with_restarts
-from rollart_hpc.store.trajectories import read_store
 
-REPO = Path(__file__).resolve().parent.parent
 ENV_RANK = 2  # configs/tiny.toml: controller 0, rollout 1, env 2, reward 3, trainer 4
 
 
@@ -82,36 +77,20 @@ def test_no_restart_for_a_stop_by_the_launcher_or_without_budget(tmp_path, capsy
     assert not (tmp_path / RESTARTS).with_suffix(".tmp").exists()
 
 
-def rank_pid(run_dir, rank):
+def env_pid(run_dir):
     try:
-        return json.loads((run_dir / "pids" / f"rank-{rank}.pid").read_text())["pid"]
+        return rank_pid(run_dir, ENV_RANK)
     except (OSError, ValueError, KeyError):
         return None
 
 
-def wait_until(predicate, timeout_s=400):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.1)
-
-
-def metric_rows(run_dir):
-    path = run_dir / "metrics.jsonl"
-    return path.read_text().splitlines() if path.exists() else []
-
-
 def start(run_dir, *overrides):
-    return subprocess.Popen(
-        [sys.executable, str(REPO / "launch.py"), "run", "configs/tiny.toml", "--run-dir", str(run_dir),
-         "--max-restarts", "2", "controller.mode=sync", *overrides],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    return start_run(run_dir, "--max-restarts", "2", "controller.mode=sync", *overrides)
 
 
 def kill_env_when(run_dir, ready, old_pid=None):
-    wait_until(lambda: ready() and rank_pid(run_dir, ENV_RANK) not in (None, old_pid))
-    pid = rank_pid(run_dir, ENV_RANK)
+    wait_until(lambda: ready() and env_pid(run_dir) not in (None, old_pid), 400, 0.1)
+    pid = env_pid(run_dir)
     os.kill(pid, signal.SIGKILL)
     return pid
 
@@ -122,7 +101,7 @@ def test_killed_rank_is_restarted_from_its_checkpoint(tmp_path):
     run_dir = tmp_path / "restarted"
     proc = start(run_dir, "controller.num_steps=4", "controller.checkpoint_every_steps=1")
     try:
-        kill_env_when(run_dir, lambda: ckpt.latest(run_dir) is not None and len(metric_rows(run_dir)) >= 2)
+        kill_env_when(run_dir, lambda: ckpt.latest(run_dir) is not None and len(metric_lines(run_dir)) >= 2)
         out, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -134,8 +113,8 @@ def test_killed_rank_is_restarted_from_its_checkpoint(tmp_path):
         r"rank \d \(\w+\) died without reporting an error", rows[0]["cause"]
     )
     assert rows[0]["step"] >= 1 and "restart 1/2 from step" in out
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = read_store(run_dir / "trajectories.h5").records
+    summary = read_summary(run_dir)
+    records = stored_records(run_dir)
     assert summary["balanced"] and len({r.episode_id for r in records}) == len(records)
     assert sum(r.final_status == "trained" for r in records) == 4 * 4 == summary["accounting"]["trained"]
 
@@ -148,8 +127,8 @@ def test_failure_repeating_at_the_same_step_stops_restarts(tmp_path):
         run_dir, "controller.num_steps=60", "controller.checkpoint_every_steps=0"
     )  # killed long before the end
     try:
-        first = kill_env_when(run_dir, lambda: len(metric_rows(run_dir)) >= 1)
-        wait_until(lambda: (run_dir / RESTARTS).exists())
+        first = kill_env_when(run_dir, lambda: len(metric_lines(run_dir)) >= 1)
+        wait_until(lambda: (run_dir / RESTARTS).exists(), 400, 0.1)
         kill_env_when(run_dir, lambda: True, old_pid=first)
         out, err = proc.communicate(timeout=300)
     finally:

@@ -12,22 +12,17 @@ Three tiny worlds run at once: the uninterrupted reference, one stopped by SIGUS
 exit) and one whose env rank is SIGKILLed right after its first checkpoint; both are resumed together.
 """
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch
+from launching import metric_rows, rank_pid, start, start_run, stored_records
 
 from rollart_hpc.controller.checkpoint import latest, step_dir
-from rollart_hpc.store.trajectories import read_store
 
-REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 NUM_STEPS = 5
 OVERRIDES = (
@@ -42,53 +37,20 @@ OVERRIDES = (
 TIMING_KEYS = {"wall_s", "train_s"}
 
 
-def start(run_dir):
-    return subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "launch.py"),
-            "run",
-            "configs/tiny.toml",
-            "--run-dir",
-            str(run_dir),
-            *OVERRIDES,
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def finish(proc, ok=True):
     out, err = proc.communicate(timeout=600)
     assert (proc.returncode == 0) == ok, out[-2000:] + err[-3000:]
     return out, err
 
 
-def resume(run_dir):
-    return subprocess.Popen(
-        [sys.executable, str(REPO / "launch.py"), "resume", str(run_dir)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def rank_pid(run_dir, rank):
-    return json.loads((run_dir / "pids" / f"rank-{rank}.pid").read_text())["pid"]
-
-
 def metrics(run_dir):
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows}
+    return {r["step"]: {k: v for k, v in r.items() if k not in TIMING_KEYS} for r in metric_rows(run_dir)}
 
 
 def trained(run_dir):
     """Per step: the trained trajectories with their ids, tokens, versions and rewards; their log-probs."""
     steps, logprobs = defaultdict(list), {}
-    for r in read_store(run_dir / "trajectories.h5").records:
+    for r in stored_records(run_dir):
         if r.final_status == "trained":
             steps[r.final_version].append(
                 (r.episode_id, r.task_id, r.token_ids.tolist(), r.versions.tolist(), float(r.reward))
@@ -98,9 +60,7 @@ def trained(run_dir):
 
 
 def statuses(run_dir):
-    return {
-        r.episode_id: (r.final_status, r.final_cause) for r in read_store(run_dir / "trajectories.h5").records
-    }
+    return {r.episode_id: (r.final_status, r.final_cause) for r in stored_records(run_dir)}
 
 
 def weights(run_dir, version):
@@ -136,7 +96,7 @@ def assert_same_after(run_dir, reference, resumed_at):
 
 def test_stopped_and_killed_runs_resume_exactly(tmp_path):
     reference, stopped, killed = (tmp_path / n for n in ("reference", "stopped", "killed"))
-    procs = {d: start(d) for d in (reference, stopped, killed)}
+    procs = {d: start_run(d, *OVERRIDES) for d in (reference, stopped, killed)}
     # Each fault is sent the moment its world is ready, watching both worlds at once: the worlds start
     # together but not in step, and a short run may finish while the other is still starting.
     faults = {
@@ -168,7 +128,7 @@ def test_stopped_and_killed_runs_resume_exactly(tmp_path):
     stopped_at = int(latest(stopped).name.split("-")[1])
     killed_at = int(latest(killed).name.split("-")[1])
     assert 0 < stopped_at < NUM_STEPS and killed_at == 2
-    resumed = [resume(stopped), resume(killed)]
+    resumed = [start("resume", stopped), start("resume", killed)]
     for proc in resumed:
         finish(proc)
     assert_same_after(stopped, reference, stopped_at)

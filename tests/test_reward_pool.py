@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
+from reward_running import meeting_fn
 
 from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.reward.functions import REWARD_FNS, RewardInput, RewardOutput, reward_fn
@@ -54,13 +54,7 @@ def test_pool_scores_concurrently_and_skips_failed() -> None:
 
 
 def test_pool_runs_in_parallel_and_scales_to_zero(monkeypatch: pytest.MonkeyPatch) -> None:
-    barrier = threading.Barrier(3, timeout=5)
-
-    def slow(inp: RewardInput) -> RewardOutput:
-        barrier.wait()  # only passes if three calls run at the same time
-        return RewardOutput(0.5, False)
-
-    monkeypatch.setitem(REWARD_FNS, "slow", slow)
+    monkeypatch.setitem(REWARD_FNS, "slow", meeting_fn(3))  # passes only once three calls run at once
     pool = RewardPool(
         RewardPoolConfig(max_workers=3, idle_shutdown_s=0.0, fn_for_family={"frozenlake": "slow"})
     )

@@ -31,22 +31,27 @@ def _flaky(num_failures: int) -> tuple[list[int], object]:
     return calls, flaky
 
 
-def test_a_failing_reward_call_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls, flaky = _flaky(2)
-    monkeypatch.setitem(REWARD_FNS, "flaky", flaky)
-    pool = RewardPool(RewardPoolConfig(max_score_attempts=3))
+def _score(
+    monkeypatch: pytest.MonkeyPatch, fn: object, config: RewardPoolConfig
+) -> tuple[Trajectory, RewardPool]:
+    """Scores one trajectory of the family "flaky" with `fn` as its reward function, in a pool of `config`."""
+    monkeypatch.setitem(REWARD_FNS, "flaky", fn)
+    pool = RewardPool(config)
     traj = asyncio.run(pool.score(_traj()))
     pool.close()
+    return traj, pool
+
+
+def test_a_failing_reward_call_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls, flaky = _flaky(2)
+    traj, pool = _score(monkeypatch, flaky, RewardPoolConfig(max_score_attempts=3))
     assert (len(calls), traj.status, traj.reward, traj.success) == (3, "ok", 1.0, True)
     assert (pool.failures, pool.rebuilds, pool.num_scored) == (2, 0, 1)
 
 
 def test_a_trajectory_that_cannot_be_scored_fails_with_a_cause(monkeypatch: pytest.MonkeyPatch) -> None:
     calls, flaky = _flaky(3)
-    monkeypatch.setitem(REWARD_FNS, "flaky", flaky)
-    pool = RewardPool(RewardPoolConfig(max_score_attempts=3))
-    traj = asyncio.run(pool.score(_traj()))
-    pool.close()
+    traj, pool = _score(monkeypatch, flaky, RewardPoolConfig(max_score_attempts=3))
     assert (len(calls), traj.status, traj.failure_cause, traj.reward, traj.success) == (
         3,
         "failed",
@@ -69,10 +74,8 @@ def _die_once(inp: RewardInput) -> RewardOutput:
 
 def test_a_broken_process_pool_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("REWARD_RETRY_MARKER", str(tmp_path / "died"))
-    monkeypatch.setitem(REWARD_FNS, "flaky", _die_once)
-    pool = RewardPool(RewardPoolConfig(max_workers=1, executor="process", max_score_attempts=2))
-    traj = asyncio.run(pool.score(_traj()))
-    pool.close()
+    config = RewardPoolConfig(max_workers=1, executor="process", max_score_attempts=2)
+    traj, pool = _score(monkeypatch, _die_once, config)
     assert (traj.status, traj.reward, pool.failures, pool.rebuilds) == ("ok", 0.5, 1, 1)
 
 

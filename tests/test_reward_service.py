@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.asyncio
-from reward_running import running_service
+from reward_running import calc_math_traj, meeting_fn, running_service
 
 from rollart_hpc.config import load_config
 from rollart_hpc.config.schema import RewardConfig
@@ -31,27 +30,12 @@ from rollart_hpc.reward.functions import REWARD_FNS, RewardInput, RewardOutput
 from rollart_hpc.reward.pool import RewardPool, RewardPoolConfig
 from rollart_hpc.reward.scheduler import FairScheduler
 from rollart_hpc.reward.wire import ADDRESS_FILE, TOKEN_FILE, encode, input_to_dict
-from rollart_hpc.tasks.families.calc_math import generate_problem
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _traj(index: int, right: bool = True) -> Trajectory:
-    gold = generate_problem(index).answer
-    task_id = f"calc_math/{index:04d}"
-    t = Trajectory(
-        task_id,
-        "calc_math",
-        ("calc_math",),
-        f"ep{index:08d}",
-        actions=[f"<answer>{gold + (not right)}</answer>"],
-    )
-    t.finish_cause = "done"
-    return t
-
-
 def _inp(index: int) -> RewardInput:
-    return RewardInput.of(_traj(index))
+    return RewardInput.of(calc_math_traj(index))
 
 
 # --- the elastic pool ---------------------------------------------------------------------------------
@@ -61,9 +45,9 @@ def test_pool_scales_to_zero_and_cold_starts_again() -> None:
     pool = RewardPool(RewardPoolConfig(max_workers=2, executor="process", idle_shutdown_s=0.0))
 
     async def go() -> list[Trajectory]:
-        first = await pool.score_many([_traj(i) for i in range(3)])
+        first = await pool.score_many([calc_math_traj(i) for i in range(3)])
         assert pool.num_workers == 0  # idle: scaled to zero
-        return first + await pool.score_many([_traj(7, right=False)])
+        return first + await pool.score_many([calc_math_traj(7, right=False)])
 
     try:
         scored = asyncio.run(go())
@@ -76,16 +60,10 @@ def test_pool_scales_to_zero_and_cold_starts_again() -> None:
 
 
 def test_pool_grows_under_queue_pressure_up_to_its_maximum(monkeypatch: pytest.MonkeyPatch) -> None:
-    barrier = threading.Barrier(3, timeout=5)
-
-    def slow(inp: RewardInput) -> RewardOutput:
-        barrier.wait()  # passes only once three calls run at the same time
-        return RewardOutput(0.5, False)
-
-    monkeypatch.setitem(REWARD_FNS, "slow", slow)
+    monkeypatch.setitem(REWARD_FNS, "slow", meeting_fn(3))  # passes only once three calls run at once
     cfg = RewardPoolConfig(max_workers=3, idle_shutdown_s=60.0, fn_for_family={"calc_math": "slow"})
     pool = RewardPool(cfg)
-    scored = asyncio.run(pool.score_many([_traj(i) for i in range(6)]))
+    scored = asyncio.run(pool.score_many([calc_math_traj(i) for i in range(6)]))
     assert [t.reward for t in scored] == [0.5] * 6
     assert pool.peak_workers == 3 == pool.cold_starts and pool.num_workers == 3  # not idle long enough
     assert set(pool.stats()["worker_busy_s"]) == {"0", "1", "2"}
@@ -94,7 +72,7 @@ def test_pool_grows_under_queue_pressure_up_to_its_maximum(monkeypatch: pytest.M
 
 def test_scale_up_waits_for_a_queue_of_scale_up_queue() -> None:
     pool = RewardPool(RewardPoolConfig(max_workers=4, scale_up_queue=100))
-    asyncio.run(pool.score_many([_traj(i) for i in range(8)]))
+    asyncio.run(pool.score_many([calc_math_traj(i) for i in range(8)]))
     assert pool.peak_workers == 1  # never 100 waiting: one worker served them all
     pool.close()
 
@@ -134,7 +112,7 @@ def test_scheduler_round_robin_quota_and_idempotent_ids() -> None:
 
 def test_request_id_is_stable_for_a_resend_and_new_for_other_actions() -> None:
     same = [request_id("ep1", input_to_dict(_inp(3))) for _ in range(2)]
-    other = request_id("ep1", input_to_dict(RewardInput.of(_traj(3, right=False))))
+    other = request_id("ep1", input_to_dict(RewardInput.of(calc_math_traj(3, right=False))))
     assert same[0] == same[1] != other and same[0].startswith("ep1:")
 
 
@@ -155,8 +133,8 @@ def test_service_token_file_is_private_and_scores_for_two_clients(tmp_path: Path
         async with running_service(tmp_path, cfg) as service:
             a, b = ServiceClient(cfg, "run-a"), ServiceClient(cfg, "run-b")
             ra, rb = await asyncio.gather(
-                asyncio.gather(*(a.score(_traj(i)) for i in range(5))),
-                asyncio.gather(*(b.score(_traj(i, right=False)) for i in range(5))),
+                asyncio.gather(*(a.score(calc_math_traj(i)) for i in range(5))),
+                asyncio.gather(*(b.score(calc_math_traj(i, right=False)) for i in range(5))),
             )
             a.close(), b.close()
             await asyncio.sleep(0.6)  # idle past idle_shutdown_s
@@ -254,7 +232,7 @@ def test_bad_requests_get_clear_errors_and_do_not_hurt_others(tmp_path: Path) ->
                 replies.append(json.loads(await asyncio.wait_for(sock.recv(), 5)))
             sock.close(0), ctx.term()
             client = ServiceClient(cfg, "run-a")
-            traj = await client.score(_traj(2))
+            traj = await client.score(calc_math_traj(2))
             client.close()
             return replies, traj
 
@@ -276,7 +254,7 @@ def test_client_with_a_wrong_token_fails_its_trajectory_with_the_error(
         async with running_service(tmp_path, _cfg()) as service:
             monkeypatch.setenv("ROLLART_REWARD_TOKEN", "wrong")
             client = ServiceClient(_cfg(service=service.address.removeprefix("tcp://")), "run-a")
-            traj = await client.score(_traj(1))
+            traj = await client.score(calc_math_traj(1))
             client.close()
             return traj
 
@@ -335,7 +313,7 @@ def test_killed_service_loses_no_trajectory(tmp_path: Path) -> None:
                 for i in range(num):
                     if i == num // 2:
                         await killed.wait()  # the second half goes out while the service is down
-                    tasks.append(asyncio.create_task(client.score(_traj(i))))
+                    tasks.append(asyncio.create_task(client.score(calc_math_traj(i))))
                     await asyncio.sleep(0.01)
 
             sender = asyncio.create_task(stream())
@@ -351,7 +329,7 @@ def test_killed_service_loses_no_trajectory(tmp_path: Path) -> None:
         client.close()
         # no service at all: past the deadline, failed with the cause
         short = ServiceClient(replace(cfg, service_timeout_s=0.2, service_deadline_s=1.0), "run-b")
-        lost = list(await asyncio.gather(*(short.score(_traj(i)) for i in range(3))))
+        lost = list(await asyncio.gather(*(short.score(calc_math_traj(i)) for i in range(3))))
         short.close()
         return scored, sent_before_kill, lost
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from reward_running import calc_math_traj
 
 from rollart_hpc.cluster.sbatch import ServiceJob, render_service_job
 from rollart_hpc.config.schema import RewardConfig
@@ -34,23 +35,10 @@ from rollart_hpc.reward.client import ServiceClient
 from rollart_hpc.reward.functions import REWARD_FNS, RewardInput, RewardOutput
 from rollart_hpc.reward.service import RewardService
 from rollart_hpc.reward.wire import ADDRESS_FILE
-from rollart_hpc.tasks.families.calc_math import generate_problem
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
 HOSTILE_DIR = Path('/scratch/it\'s a "reward" dir/svc')
-
-
-def _traj(index: int) -> Trajectory:
-    t = Trajectory(
-        f"calc_math/{index:04d}",
-        "calc_math",
-        ("calc_math",),
-        f"ep{index:08d}",
-        actions=[f"<answer>{generate_problem(index).answer}</answer>"],
-    )
-    t.finish_cause = "done"
-    return t
 
 
 # --- the job script -----------------------------------------------------------------------------------
@@ -146,7 +134,7 @@ def test_idle_service_exits_after_its_in_flight_work_and_removes_its_address(
         service = RewardService(cfg, folder, idle_exit_s=2.0)
         task = asyncio.create_task(service.run(stats_every_s=0.2))
         client = ServiceClient(cfg, "run-a")
-        traj = await client.score(_traj(1))
+        traj = await client.score(calc_math_traj(1))
         replied = time.monotonic()
         assert not task.done()  # the work in flight kept it up
         await asyncio.wait_for(task, 30)
@@ -194,7 +182,7 @@ def test_clients_restart_a_gone_service_once_through_its_launch_command(
     async def go() -> tuple[list[Trajectory], list[ServiceClient]]:
         clients = [ServiceClient(cfg, f"run-{i}") for i in range(3)]
         scored = await asyncio.gather(
-            *(c.score(_traj(2 * i + k)) for i, c in enumerate(clients) for k in range(2))
+            *(c.score(calc_math_traj(2 * i + k)) for i, c in enumerate(clients) for k in range(2))
         )
         for c in clients:
             c.close()
@@ -267,7 +255,7 @@ def test_slurm_service_exits_when_idle_and_a_client_resubmits_it(tmp_path: Path)
 
     async def score(n: int) -> tuple[list[Trajectory], ServiceClient]:
         client = ServiceClient(cfg, "run-a")
-        scored = await asyncio.gather(*(client.score(_traj(i)) for i in range(n)))
+        scored = await asyncio.gather(*(client.score(calc_math_traj(i)) for i in range(n)))
         client.close()
         return list(scored), client
 

@@ -3,16 +3,12 @@ fall back to the other pool only while every rank of their own is saturated; wit
 dispatched trajectory is still accounted for, and each one dropped as redundant is logged."""
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from launching import run, settled_summary, stored_records
 
-from rollart_hpc.store.trajectories import read_store
-
-REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 POOLS = '[{name="a", num_ranks=1, num_slots=1}, {name="b", num_ranks=1, num_slots=8}]'
@@ -28,9 +24,7 @@ def test_family_map_with_fallback_and_redundancy(tmp_path: Path) -> None:
         'routing.families={calc_math="a", frozenlake="b"}',
         "controller.redundancy=1.5",
     ]
-    cmd = [sys.executable, str(REPO / "launch.py"), "run", "configs/tiny.toml", "--run-dir", str(run_dir)]
-    result = subprocess.run(cmd + overrides, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run(run_dir, *overrides)
 
     report = json.loads((run_dir / "routing" / "env-3.json").read_text())
     pools = report["pools"]
@@ -42,10 +36,9 @@ def test_family_map_with_fallback_and_redundancy(tmp_path: Path) -> None:
     for event in report["fallback_events"]:
         assert all(n >= event["from_slots"] for n in event["from_requests"].values()), event
 
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = settled_summary(run_dir)
     acc = summary["accounting"]
-    assert summary["balanced"] and acc["in_flight"] == acc["buffered"] == acc["in_training"] == 0
-    records = read_store(run_dir / "trajectories.h5").records
+    records = stored_records(run_dir)
     assert len(records) == acc["dispatched"] and acc["trained"] == 12
     statuses = Counter((r.final_status, r.final_cause) for r in records)
     assert statuses[("trained", "")] == 12

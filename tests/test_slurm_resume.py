@@ -22,17 +22,17 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launching import launch, metric_rows, rank_pid, read_summary, stored_records
+from slurm_logs import query, rank_nodes
 
 from rollart_hpc.controller.checkpoint import latest
 from rollart_hpc.entry import submit
-from rollart_hpc.store.trajectories import read_store
 
 pytestmark = [
     pytest.mark.slurm,
@@ -90,25 +90,15 @@ def _wait_for(what: str, predicate: Any, record: dict[str, Any], timeout_s: floa
         time.sleep(0.5)
 
 
-def _query(argv: list[str]) -> str:
-    """stdout of a SLURM client; retried, since a loaded slurmctld sometimes drops a connection."""
-    for _ in range(5):
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-        if proc.returncode == 0:
-            return proc.stdout
-        time.sleep(2.0)
-    raise AssertionError(f"{' '.join(argv)} failed 5 times: {proc.stderr.strip()}")
-
-
 def _queued(job_id: str) -> bool:
-    return bool(_query(["squeue", "-h", "-j", job_id]).strip())
+    return bool(query(["squeue", "-h", "-j", job_id]).strip())
 
 
 def _states(job_id: str, timeout_s: float = 90.0) -> list[str]:
     """The job's final states from accounting, which lags a little behind the end of the job."""
     deadline = time.monotonic() + timeout_s
     while True:
-        states = _query(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id]).split()
+        states = query(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id]).split()
         settled = states and not any(s in ("RUNNING", "PENDING", "COMPLETING", "REQUEUED") for s in states)
         if settled or time.monotonic() > deadline:
             return states
@@ -119,21 +109,11 @@ def _cancel(job_id: str) -> None:
     subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)
 
 
-def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _rank_nodes(run_dir: Path) -> dict[int, str]:
-    pids = sorted((run_dir / "pids").glob("rank-*.pid"))
-    return {int(p.stem.split("-")[1]): json.loads(p.read_text())["node"] for p in pids}
-
-
 def _assert_complete_once(run_dir: Path, num_steps: int) -> None:
     """Every step once, every trajectory stored once and ended once, trained == steps x batch."""
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["balanced"], summary["accounting"]
-    records = read_store(run_dir / "trajectories.h5").records
+    records = stored_records(run_dir)
     ids = Counter(r.episode_id for r in records)
     assert not [i for i, n in ids.items() if n > 1], "a trajectory was stored twice"
     trained = [r for r in records if r.final_status == "trained"]
@@ -141,7 +121,7 @@ def _assert_complete_once(run_dir: Path, num_steps: int) -> None:
     for r in records:
         assert r.final_status in ("trained", "dropped", "failed"), (r.episode_id, r.final_status)
         assert r.final_status == "trained" or r.final_cause, r.episode_id
-    assert [row["step"] for row in _rows(run_dir)] == list(range(num_steps))
+    assert [row["step"] for row in metric_rows(run_dir)] == list(range(num_steps))
 
 
 @pytest.mark.timeout(1800)
@@ -154,11 +134,11 @@ def test_preempted_hetjob_checkpoints_requeues_resumes_and_finishes(repo_root: P
     )
     job_id = str(record["job_id"])
     try:
-        _wait_for("first trained step", lambda: len(_rows(run_dir)) >= 1, record, START_TIMEOUT_S)
+        _wait_for("first trained step", lambda: len(metric_rows(run_dir)) >= 1, record, START_TIMEOUT_S)
         first_step_s = time.monotonic() - start
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
         _wait_for("requeue", lambda: "requeue job" in _log(record), record, 300)
-        stopped_at = len(_rows(run_dir))
+        stopped_at = len(metric_rows(run_dir))
         _wait_for("job done", lambda: not _queued(job_id), record, JOB_TIMEOUT_S)
     finally:
         _cancel(job_id)
@@ -170,7 +150,7 @@ def test_preempted_hetjob_checkpoints_requeues_resumes_and_finishes(repo_root: P
     assert f"resumed from {run_dir / 'checkpoints'}" in log and "[slurm] run finished" in log
     assert 1 <= stopped_at < num_steps
     _assert_complete_once(run_dir, num_steps)
-    assert _rank_nodes(run_dir) == EXPECTED_NODES
+    assert rank_nodes(run_dir) == EXPECTED_NODES
     print(
         f"preempted hetjob: first step after {first_step_s:.0f}s, stopped at step {stopped_at}, "
         f"done after {time.monotonic() - start:.0f}s"
@@ -187,8 +167,8 @@ def test_killed_rank_fails_the_job_and_local_resume_finishes(repo_root: Path, tm
     job_id = str(record["job_id"])
     try:
         _wait_for("a checkpoint", lambda: latest(run_dir) is not None, record, START_TIMEOUT_S)
-        assert _rank_nodes(run_dir) == EXPECTED_NODES
-        os.kill(json.loads((run_dir / "pids" / "rank-2.pid").read_text())["pid"], signal.SIGKILL)
+        assert rank_nodes(run_dir) == EXPECTED_NODES
+        os.kill(rank_pid(run_dir, 2), signal.SIGKILL)
         _wait_for("job done", lambda: not _queued(job_id), record, 300)
     finally:
         _cancel(job_id)
@@ -198,14 +178,7 @@ def test_killed_rank_fails_the_job_and_local_resume_finishes(repo_root: Path, tm
     assert "rollout1: task 2: Killed" in log, log[-4000:]
     assert "requeue" not in log.split("step exited with status")[-1]
     assert not (run_dir / "summary.json").exists()
-    resumed = subprocess.run(
-        [sys.executable, str(repo_root / "launch.py"), "resume", str(run_dir)],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    resumed = launch("resume", run_dir)
     assert f"resumed from {run_dir / 'checkpoints'}" in resumed.stdout
     _assert_complete_once(run_dir, num_steps)
     print(
@@ -223,7 +196,7 @@ def test_killed_rank_is_restarted_in_the_allocation_and_finishes(repo_root: Path
     job_id = str(record["job_id"])
     try:
         _wait_for("a checkpoint", lambda: latest(run_dir) is not None, record, START_TIMEOUT_S)
-        killed = json.loads((run_dir / "pids" / "rank-2.pid").read_text())["pid"]
+        killed = rank_pid(run_dir, 2)
         os.kill(killed, signal.SIGKILL)
         _wait_for("job done", lambda: not _queued(job_id), record, JOB_TIMEOUT_S)
     finally:
@@ -258,10 +231,10 @@ def test_preempted_submitit_job_requeues_from_rank_0_and_finishes(repo_root: Pat
     assert record["mode"] == "submitit" and record["world_size"] == 6
     job_id = str(record["job_id"])
     try:
-        _wait_for("first trained step", lambda: len(_rows(run_dir)) >= 1, record, START_TIMEOUT_S)
+        _wait_for("first trained step", lambda: len(metric_rows(run_dir)) >= 1, record, START_TIMEOUT_S)
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
         _wait_for("requeue", lambda: "requeue job" in _log(record), record, 300)
-        stopped_at = len(_rows(run_dir))
+        stopped_at = len(metric_rows(run_dir))
         _wait_for("job done", lambda: not _queued(job_id), record, JOB_TIMEOUT_S)
     finally:
         _cancel(job_id)
@@ -285,7 +258,7 @@ def test_preempted_submitit_job_requeues_from_rank_0_and_finishes(repo_root: Pat
     assert job.results() == [0] * 6
     assert 1 <= stopped_at < num_steps
     _assert_complete_once(run_dir, num_steps)
-    assert sorted(_rank_nodes(run_dir).values()) == ["rollout1"] * 3 + ["train1"] * 3
+    assert sorted(rank_nodes(run_dir).values()) == ["rollout1"] * 3 + ["train1"] * 3
     print(f"preempted submitit job: stopped at step {stopped_at}, done after {time.monotonic() - start:.0f}s")
 
 
@@ -313,7 +286,7 @@ def test_killed_rank_of_a_submitit_job_is_requeued_and_finishes(repo_root: Path,
     job_id = str(record["job_id"])
     try:
         _wait_for("a checkpoint", lambda: latest(run_dir) is not None, record, START_TIMEOUT_S)
-        os.kill(json.loads((run_dir / "pids" / "rank-2.pid").read_text())["pid"], signal.SIGKILL)
+        os.kill(rank_pid(run_dir, 2), signal.SIGKILL)
         _wait_for("job done", lambda: not _queued(job_id), record, JOB_TIMEOUT_S)
     finally:
         _cancel(job_id)

@@ -12,6 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from launching import wait_until
 
 from rollart_hpc.contracts.records import Trajectory
 from rollart_hpc.store.trajectories import StorePosition, TrajectoryStore, committed, read_store
@@ -72,13 +73,6 @@ def start_writer(path, start, count, batch, ready, pause_file=""):
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def test_round_trip_and_status_resolution(tmp_path):
     path = tmp_path / "traj.h5"
     with TrajectoryStore(path) as store:
@@ -134,7 +128,7 @@ def test_concurrent_reader_process_sees_new_rows(tmp_path):
     try:
         seen = []
         for expected in (10, 20, 30):
-            wait_for(lambda e=expected: ready.exists() and ready.read_text() == str(e))
+            wait_until(lambda e=expected: ready.exists() and ready.read_text() == str(e), 60, 0.02)
             contents = read_store(path)  # this test process reads while the writer process holds the file
             seen.append(contents.position.rows)
             for i, rec in enumerate(contents.records):
@@ -142,7 +136,7 @@ def test_concurrent_reader_process_sees_new_rows(tmp_path):
             with h5py.File(path, "r", swmr=True) as f:  # plain h5py, as any analysis script would
                 assert f["commit"][0] == expected
             pause.unlink()
-            wait_for(lambda: pause.exists() or proc.poll() is not None)
+            wait_until(lambda: pause.exists() or proc.poll() is not None, 60, 0.02)
         assert seen == [10, 20, 30]
         assert proc.wait(timeout=60) == 0
     finally:
@@ -155,7 +149,7 @@ def test_crash_keeps_committed_rows_and_store_continues(tmp_path):
     path, ready = tmp_path / "traj.h5", tmp_path / "ready"
     proc = start_writer(path, 0, 100_000, 3, ready)
     try:
-        wait_for(lambda: ready.exists() and int(ready.read_text() or 0) >= 30)
+        wait_until(lambda: ready.exists() and int(ready.read_text() or 0) >= 30, 60, 0.02)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:

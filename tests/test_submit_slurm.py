@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from slurm_logs import step_succeeded
+from slurm_logs import query, rank_nodes, step_succeeded
 
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.entry import submit
@@ -53,29 +53,14 @@ def _wait_done(job_id: str, logs: list[str]) -> list[str]:
     """Wait until the job leaves the queue; returns sacct's states of its components (or tasks)."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
     try:
-        while _query(["squeue", "-h", "-j", job_id]).strip():
+        while query(["squeue", "-h", "-j", job_id]).strip():
             if time.monotonic() > deadline:
                 tails = "\n".join(Path(p).read_text()[-3000:] for p in logs if Path(p).exists())
                 raise AssertionError(f"job {job_id} not done after {JOB_TIMEOUT_S:.0f}s:\n{tails}")
             time.sleep(1.0)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)
-    return _query(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id]).split()
-
-
-def _query(argv: list[str]) -> str:
-    """stdout of a SLURM client; retried, since a loaded slurmctld sometimes drops a connection."""
-    for _ in range(5):
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-        if proc.returncode == 0:
-            return proc.stdout
-        time.sleep(2.0)
-    raise AssertionError(f"{' '.join(argv)} failed 5 times: {proc.stderr.strip()}")
-
-
-def _rank_nodes(run_dir: Path) -> dict[int, str]:
-    pids = sorted((run_dir / "pids").glob("rank-*.pid"))
-    return {int(p.stem.split("-")[1]): json.loads(p.read_text())["node"] for p in pids}
+    return query(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id]).split()
 
 
 def _ok_lines(text: str) -> set[tuple[str, int]]:
@@ -93,7 +78,7 @@ def test_hetjob_smoke_runs_each_role_on_its_partition_node(repo_root: Path, tmp_
     log = Path(str(record["logs"][0])).read_text()
     assert states == ["COMPLETED", "COMPLETED"], log
     assert _ok_lines(log) == {(role, rank) for rank, role in enumerate(ROLES)}, log
-    assert _rank_nodes(run_dir) == {0: "rollout1", 1: "rollout1", 2: "rollout1", 3: "rollout1", 4: "train1"}
+    assert rank_nodes(run_dir) == {0: "rollout1", 1: "rollout1", 2: "rollout1", 3: "rollout1", 4: "train1"}
     assert step_succeeded(log), log
     print(f"hetjob smoke: submit to done {time.monotonic() - start:.1f}s")
 
@@ -114,7 +99,7 @@ def test_submitit_smoke_on_one_partition_over_two_nodes(repo_root: Path, tmp_pat
         folder=run_dir / "submitit", job_id=job_id, tasks=range(6)
     )
     assert job.results() == [0] * 6
-    nodes = _rank_nodes(run_dir)
+    nodes = rank_nodes(run_dir)
     assert sorted(nodes) == list(range(6)) and sorted(nodes.values()) == ["rollout1"] * 3 + ["train1"] * 3
     rank_logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rank-*.log"))
     assert _ok_lines(rank_logs) == {

@@ -32,6 +32,11 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 FAST = ["--set", "controller.num_steps=2", "--set", "trainer.sft_steps=1"]
 EVAL = ["--set", "controller.eval_every_steps=2"]  # evaluation rounds at versions 0 and 2
 ROLES = ("controller", "rollout", "env", "reward", "trainer")
+# sweep arguments that put every role on the test cluster's partition "all"
+ON_PARTITION_ALL = tuple(arg for role in ROLES for arg in ("--set", f"roles.{role}.partition=all"))
+NEEDS_SLURM_CLIENT = pytest.mark.skipif(
+    shutil.which("sinfo") is None, reason="sinfo not on PATH: no SLURM client installed"
+)
 
 
 def test_grid_expands_to_the_product_times_seeds_with_readable_names() -> None:
@@ -265,10 +270,9 @@ def test_local_sweep_of_tiny_runs_every_arm_and_skips_finished_runs(tmp_path: Pa
 
 @pytest.mark.slurm
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("sinfo") is None, reason="sinfo not on PATH: no SLURM client installed")
+@NEEDS_SLURM_CLIENT
 def test_slurm_sweep_is_one_job_array(tmp_path: Path) -> None:
     out = tmp_path / "array sweep"
-    sets = [arg for role in ROLES for arg in ("--set", f"roles.{role}.partition=all")]
     argv = [
         "sweep",
         "configs/tiny.toml",
@@ -278,7 +282,7 @@ def test_slurm_sweep_is_one_job_array(tmp_path: Path) -> None:
         str(out),
         "--slurm",
         *FAST,
-        *sets,
+        *ON_PARTITION_ALL,
     ]
     start = time.monotonic()
     proc = _cli(
@@ -303,7 +307,7 @@ def test_slurm_sweep_is_one_job_array(tmp_path: Path) -> None:
 
 
 @pytest.mark.slurm
-@pytest.mark.skipif(shutil.which("sinfo") is None, reason="sinfo not on PATH: no SLURM client installed")
+@NEEDS_SLURM_CLIENT
 def test_slurm_sweep_that_does_not_fit_its_partition_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -329,11 +333,11 @@ def _wait_gone(job_id: str, timeout_s: float) -> None:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("sinfo") is None, reason="sinfo not on PATH: no SLURM client installed")
+@NEEDS_SLURM_CLIENT
 def test_slurm_array_element_stopped_by_usr2_is_requeued_and_resumes(tmp_path: Path) -> None:
     """Preemption of an element (`scancel --signal=USR2`): it checkpoints, requeues itself and finishes."""
     out = tmp_path / "pre"
-    sets = [arg for role in ROLES for arg in ("--set", f"roles.{role}.partition=all")]
+    sets = list(ON_PARTITION_ALL)
     sets += ["--set", "controller.num_steps=10", "--set", "trainer.sft_steps=1"]
     sets += ["--set", "controller.eval_every_steps=0", "--set", "cluster.peer_timeout_s=300"]
     start = time.monotonic()

@@ -91,18 +91,23 @@ def _seq_mean(values: torch.Tensor, batch: PackedBatch, i: int) -> float:
     return float(values[lo:hi][batch.action_mask[lo:hi]].mean())
 
 
-def test_logprobs_match_transformers(model_dir: Path) -> None:
+def _hf_logits(model_dir: Path, batch: PackedBatch) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Per packed sequence: its span in the batch and transformers' fp32 logits for its next tokens."""
     from transformers import AutoModelForCausalLM
 
-    trainer = _trainer(model_dir, micro_batch_tokens=40)
-    batch = _batch(trainer.config.vocab_size, [17, 9, 23], [1.0, 1.0, 1.0])
-    ours = trainer.logprobs(batch)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for i in range(batch.num_sequences):
         lo, hi = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-        ids = batch.tokens[lo:hi]
         with torch.no_grad():
-            ref = torch.log_softmax(hf(ids[None]).logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]
+            yield lo, hi, hf(batch.tokens[lo:hi][None]).logits[0, :-1]
+
+
+def test_logprobs_match_transformers(model_dir: Path) -> None:
+    trainer = _trainer(model_dir, micro_batch_tokens=40)
+    batch = _batch(trainer.config.vocab_size, [17, 9, 23], [1.0, 1.0, 1.0])
+    ours = trainer.logprobs(batch)
+    for lo, hi, logits in _hf_logits(model_dir, batch):
+        ref = torch.log_softmax(logits, -1).gather(-1, batch.tokens[lo + 1 : hi, None])[:, 0]
         assert ours[lo] == 0.0
         assert float((ours[lo + 1 : hi] - ref).abs().max()) < HF_LOGPROB_ATOL
 
@@ -110,16 +115,10 @@ def test_logprobs_match_transformers(model_dir: Path) -> None:
 def test_rl_step_logs_the_action_token_entropy_of_transformers_logits(model_dir: Path) -> None:
     """metrics["entropy"]: the mean over the step's action tokens of the softmax entropy (padded vocabulary
     rows masked), whatever the micro-batch split."""
-    from transformers import AutoModelForCausalLM
-
     trainer = _trainer(model_dir, micro_batch_tokens=30)
     batch = _batch(trainer.config.vocab_size, [17, 9, 23], [1.0, -1.0, 0.5])
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     entropies = []
-    for i in range(batch.num_sequences):
-        lo, hi = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-        with torch.no_grad():
-            logits = hf(batch.tokens[lo:hi][None]).logits[0, :-1]
+    for lo, hi, logits in _hf_logits(model_dir, batch):
         h = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
         entropies.append(h[batch.action_mask[lo + 1 : hi]])
     expected = float(torch.cat(entropies).mean())
@@ -502,7 +501,6 @@ def test_bf16_checkpoint_resume_restores_the_fp32_main_params(
 def test_rl_logprobs_are_taken_at_the_sampling_temperature(model_dir: Path, impl: str) -> None:
     """temperature T: logprobs() and the RL step's (recomputed) proximal log-probs are log softmax(logits
     / T), so behaviour log-probs recorded at T give a zero gap; the warm start stays at T = 1."""
-    from transformers import AutoModelForCausalLM
 
     def trainer(temperature: float, ppo_epochs: int = 1) -> Trainer:
         cfg = TrainerConfig(
@@ -514,13 +512,8 @@ def test_rl_logprobs_are_taken_at_the_sampling_temperature(model_dir: Path, impl
     hot = trainer(0.7)
     batch = _batch(hot.config.vocab_size, [17, 9, 23], [1.0, -1.0, 0.5])
     ours = hot.logprobs(batch)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for i in range(batch.num_sequences):
-        lo, hi = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-        ids = batch.tokens[lo:hi]
-        with torch.no_grad():
-            logits = hf(ids[None]).logits[0, :-1] / 0.7
-        ref = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0]
+    for lo, hi, logits in _hf_logits(model_dir, batch):
+        ref = torch.log_softmax(logits / 0.7, -1).gather(-1, batch.tokens[lo + 1 : hi, None])[:, 0]
         assert float((ours[lo + 1 : hi] - ref).abs().max()) < HF_LOGPROB_ATOL
     assert float((ours - trainer(1.0).logprobs(batch)).abs().max()) > 1e-2
     sampled = _with_behaviour(batch, ours)

@@ -8,7 +8,6 @@ which checkpoint the engine holds from `state`, so the order of the tests does n
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +18,8 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+
+import engine_contract as contract  # noqa: E402
 
 from rollart_hpc.contracts.generation import RequestOutput, SamplingParams  # noqa: E402
 from rollart_hpc.inference.engine import LLMEngine  # noqa: E402
@@ -31,7 +32,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MAX_LEN = 256
 TAIL = 24  # tokens after a swap checked against the new model
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _make(root: Path, family: str, tied: bool, seed: int) -> Path:
@@ -49,18 +49,6 @@ def _make(root: Path, family: str, tied: bool, seed: int) -> Path:
         rope_theta=500.0,
         init_std=0.08,
     )
-
-
-@pytest.fixture(scope="module")
-def vllm_env() -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 @pytest.fixture(
@@ -89,23 +77,7 @@ def _run(
 ) -> dict[str, RequestOutput]:
     for rid, (prompt, sampling) in requests.items():
         engine.add_request(rid, prompt, sampling)
-    return _drain(engine, timeout_s)
-
-
-def _drain(engine: Any, timeout_s: float = 120) -> dict[str, RequestOutput]:
-    done: dict[str, RequestOutput] = {}
-    deadline = time.monotonic() + timeout_s
-    while engine.has_unfinished():
-        assert time.monotonic() < deadline, f"engine did not finish within {timeout_s} s"
-        for out in engine.step():
-            assert out.request_id not in done
-            done[out.request_id] = out
-    return done
-
-
-def _prompts(lengths: tuple[int, ...], seed: int, vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+    return contract.drain(engine, timeout_s)
 
 
 def _switch_to(st: dict[str, Any], index: int) -> None:
@@ -118,7 +90,7 @@ def _switch_to(st: dict[str, Any], index: int) -> None:
 
 def test_greedy_tokens_and_logprobs_equal_builtin_engine(state: dict[str, Any]) -> None:
     engine = state["engine"]
-    prompts = _prompts((5, 17, 9, 40), seed=1, vocab=state["vocab"])
+    prompts = contract.prompts((5, 17, 9, 40), seed=1, vocab=state["vocab"])
     requests = {f"g{state['loaded']}-{i}": (p, GREEDY) for i, p in enumerate(prompts)}
     got = _run(engine, requests)
     ref = _run(_builtin(state["dirs"][state["loaded"]]), requests)
@@ -133,7 +105,7 @@ def test_sampled_logprobs_are_of_the_distribution_sampled_from(state: dict[str, 
     from transformers import AutoModelForCausalLM
 
     engine = state["engine"]
-    prompt = _prompts((12,), seed=2, vocab=state["vocab"])[0]
+    prompt = contract.prompts((12,), seed=2, vocab=state["vocab"])[0]
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=12, seed=7)
     out = _run(engine, {f"s{state['loaded']}": (prompt, params)})[f"s{state['loaded']}"]
     hf = AutoModelForCausalLM.from_pretrained(state["dirs"][state["loaded"]], dtype=torch.float32).eval()
@@ -152,7 +124,7 @@ def test_sampled_logprobs_are_of_the_distribution_sampled_from(state: dict[str, 
 def test_weight_update_matches_fresh_engine_and_versions_switch(state: dict[str, Any]) -> None:
     engine = state["engine"]
     old_version, new_index = engine.version, 1 - state["loaded"]
-    prompts = _prompts((8, 30, 15), seed=3, vocab=state["vocab"])
+    prompts = contract.prompts((8, 30, 15), seed=3, vocab=state["vocab"])
     # as long as the model length allows, so vLLM (generating on its own) is still mid-request when the
     # update lands, also on a fast box; a short settle, so some tokens are the old version's
     long = SamplingParams(temperature=0.0, max_tokens=MAX_LEN - max(len(p) for p in prompts) - 1)
@@ -161,7 +133,7 @@ def test_weight_update_matches_fresh_engine_and_versions_switch(state: dict[str,
     time.sleep(0.2)
     updater = threading.Thread(target=_switch_to, args=(state, new_index))
     updater.start()
-    running = _drain(engine, timeout_s=300)
+    running = contract.drain(engine, timeout_s=300)
     updater.join()
     assert engine.version == old_version + 1
     tails: dict[str, tuple[list[int], SamplingParams]] = {}
@@ -189,7 +161,7 @@ def test_weight_update_matches_fresh_engine_and_versions_switch(state: dict[str,
 
 def test_abort_returns_tokens_so_far(state: dict[str, Any]) -> None:
     engine = state["engine"]
-    prompt = _prompts((10,), seed=4, vocab=state["vocab"])[0]
+    prompt = contract.prompts((10,), seed=4, vocab=state["vocab"])[0]
     long = SamplingParams(temperature=0.0, max_tokens=MAX_LEN - 20)
     engine.add_request("abort-late", prompt, long)
     engine.add_request("abort-early", prompt, long)
@@ -197,7 +169,7 @@ def test_abort_returns_tokens_so_far(state: dict[str, Any]) -> None:
     time.sleep(0.3)
     assert engine.abort("abort-late")
     assert not engine.abort("no-such-request")
-    outs = _drain(engine)
+    outs = contract.drain(engine)
     for rid in ("abort-late", "abort-early"):
         out = outs[rid]
         assert out.finish_reason == "abort" and out.finished
@@ -208,7 +180,7 @@ def test_abort_returns_tokens_so_far(state: dict[str, Any]) -> None:
 
 def test_invalid_request_finishes_with_error_and_engine_keeps_serving(state: dict[str, Any]) -> None:
     engine = state["engine"]
-    ok = _prompts((6,), seed=5, vocab=state["vocab"])[0]
+    ok = contract.prompts((6,), seed=5, vocab=state["vocab"])[0]
     bad_ids = [3, state["vocab"], 4]
     requests = {"too-long": ([5] * MAX_LEN, GREEDY), "empty": ([], GREEDY), "oov": (bad_ids, GREEDY)}
     outs = _run(engine, {**requests, "fine": (ok, GREEDY)})
@@ -219,15 +191,15 @@ def test_invalid_request_finishes_with_error_and_engine_keeps_serving(state: dic
     with pytest.raises(ValueError, match="already in the engine"):
         engine.add_request("dup", ok, SamplingParams(temperature=0.0, max_tokens=200))
         engine.add_request("dup", ok, GREEDY)
-    _drain(engine)
+    contract.drain(engine)
 
 
 def test_multi_turn_context_reuses_the_prefix_cache(state: dict[str, Any]) -> None:
     engine = state["engine"]
-    turn1 = _prompts((200,), seed=6, vocab=state["vocab"])[0]
+    turn1 = contract.prompts((200,), seed=6, vocab=state["vocab"])[0]
     first = _run(engine, {"turn1": (turn1, GREEDY)})["turn1"]
     before = engine.cached_prompt_tokens
-    turn2 = turn1 + first.token_ids + _prompts((20,), seed=7, vocab=state["vocab"])[0]
+    turn2 = turn1 + first.token_ids + contract.prompts((20,), seed=7, vocab=state["vocab"])[0]
     _run(engine, {"turn2": (turn2, GREEDY)})
     assert engine.cached_prompt_tokens - before >= 128  # full KV blocks of the shared prefix
 
@@ -274,7 +246,7 @@ def test_rank_loop_serves_requests_and_swaps_weights_through_the_vllm_engine(
         return new_version
 
     receiver = SimpleNamespace(receive=receive, landable=lambda into: {})
-    a, b = _prompts((9, 14), seed=8, vocab=state["vocab"])
+    a, b = contract.prompts((9, 14), seed=8, vocab=state["vocab"])
 
     def outputs(sent: list[tuple[Any, int, int]]) -> int:
         return sum(tag == Tag.OUTPUT for _, _, tag in sent)

@@ -8,7 +8,6 @@ which checkpoint the engine holds from `state`, so the order of the tests does n
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ LOGPROB_TOL = 2e-4
 # Let vLLM sample some tokens before the abort / the weight update, with most of the long requests
 # (240 / 220 tokens) still to come on a fast box.
 SETTLE_S = 0.2
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _make(root: Path, family: str, tied: bool, seed: int) -> Path:
@@ -61,18 +59,6 @@ def _builtin(model_dir: Path, version: int) -> Engine:
     return LLMEngine.from_pretrained(
         model_dir, num_slots=8, max_model_len=MAX_LEN, version=version, eos_token_ids=()
     )
-
-
-@pytest.fixture(scope="module")
-def vllm_env() -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 @pytest.fixture(

@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
+from launching import REPO, launch, start_run
 
 from rollart_hpc.cluster.mpiexec import mpi_environment
 from rollart_hpc.cluster.procs import pid_alive
 
-REPO = Path(__file__).resolve().parent.parent
+SMOKE = "configs/smoke.toml"
 SCRIPT = REPO / "tests" / "mpi_scripts" / "world_check.py"
 pytestmark = pytest.mark.mpi
 
@@ -58,14 +59,8 @@ def test_silent_rank_becomes_named_timeout(tmp_path):
     assert "waited 2s for message (tag 7) from env rank 2 (env #0): no answer" in results[0]["error"]
 
 
-def launch(*args, timeout=180):
-    return subprocess.run(
-        [sys.executable, str(REPO / "launch.py"), "run", "configs/smoke.toml", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
+def smoke(*args):
+    return launch("run", SMOKE, *args, timeout=180, check=False)
 
 
 def rank_pids(run_dir):
@@ -73,7 +68,7 @@ def rank_pids(run_dir):
 
 
 def test_smoke_world_runs(tmp_path):
-    result = launch("--run-dir", str(tmp_path / "run"))
+    result = smoke("--run-dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr
     for role, rank in [("controller", 0), ("rollout", 1), ("env", 2), ("reward", 3), ("trainer", 4)]:
         assert f"[{role} {rank}] {role} rank {rank} ok: 8 heartbeats" in result.stdout
@@ -83,7 +78,7 @@ def test_smoke_world_runs(tmp_path):
 
 def test_failing_rank_ends_world_and_is_named(tmp_path):
     run_dir = tmp_path / "run dir with 'quotes'"
-    result = launch("--run-dir", str(run_dir), "smoke.fail_rank=3")
+    result = smoke("--run-dir", str(run_dir), "smoke.fail_rank=3")
     assert result.returncode == 1
     assert "error: rank 3 (reward) failed: RuntimeError: injected failure" in result.stderr
     pids = rank_pids(run_dir)
@@ -92,7 +87,7 @@ def test_failing_rank_ends_world_and_is_named(tmp_path):
 
 def test_silent_rank_in_launcher_times_out(tmp_path):
     run_dir = tmp_path / "run"
-    result = launch("--run-dir", str(run_dir), "smoke.silent_rank=2", "cluster.peer_timeout_s=3")
+    result = smoke("--run-dir", str(run_dir), "smoke.silent_rank=2", "cluster.peer_timeout_s=3")
     assert result.returncode == 1
     assert "from env rank 2 (env #0): no answer" in result.stderr
     assert not any(pid_alive(p) for p in rank_pids(run_dir))
@@ -103,22 +98,7 @@ def test_silent_rank_in_launcher_times_out(tmp_path):
 )
 def test_ctrl_c_or_sigterm_stops_whole_world(tmp_path, signum, code, reason):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "launch.py"),
-            "run",
-            "configs/smoke.toml",
-            "--run-dir",
-            str(run_dir),
-            "smoke.silent_rank=1",
-            "cluster.peer_timeout_s=600",
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_run(run_dir, "smoke.silent_rank=1", "cluster.peer_timeout_s=600", config=SMOKE)
     deadline = time.monotonic() + 60
     while len(list((run_dir / "pids").glob("rank-*.pid"))) < 5 and time.monotonic() < deadline:
         time.sleep(0.2)
