@@ -8,8 +8,8 @@ padding: the kernels' fused `linear_logprob`. Otherwise (vocabulary-parallel hea
 group (max, then sum of rescaled exp, then sum: three all-reduces of [N] per call), and the backward
 recomputes this shard's logits from the saved global log-sum-exp, giving this shard's part of d hidden and
 its d weight. The shard's partials and its backward come from the Triton kernel
-(`lm_head_triton.shard_partials` / `grads`: padding columns masked in the kernel) or from torch, logits a
-chunk of tokens at a time. Implementation (`impl`, as `kernels.resolve_impl`): "auto" reads
+(`lm_head_triton.shard_partials` / `grads`: padding columns masked in the kernel) or from its torch reference
+(`lm_head_reference`, logits a chunk of tokens at a time). Implementation (`impl`, as `kernels.resolve_impl`): "auto" reads
 ROLLART_KERNEL_IMPL, then takes Triton on CUDA and torch on CPU (the Triton interpreter only in tests). The hidden states must enter through Megatron's `copy_to_tensor_model_parallel_region`
 (done here), whose backward sums the partial hidden-state gradients over the TP group.
 
@@ -25,12 +25,14 @@ are fp32 and the gradients return in the inputs' dtype.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rollart_hpc.kernels.common import KernelTuning
+from rollart_hpc.kernels.common import KernelTuning, budget_chunk, mask_columns
+from rollart_hpc.kernels.policy_loss import IMPLS
 from rollart_hpc.train import comm
 
 LOGITS_BUDGET_ELEMENTS = 1 << 22  # float32 logits held per chunk (16 MiB)
@@ -38,12 +40,13 @@ _TUNING = KernelTuning()  # the kernels' device defaults
 
 
 def _chunk(num_vocab: int) -> int:
-    return max(1, LOGITS_BUDGET_ELEMENTS // max(num_vocab, 1))
+    return budget_chunk(num_vocab, LOGITS_BUDGET_ELEMENTS)
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
     """(log p(target) [N], the softmax entropy [N] when asked (detached; else empty)) over a
-    vocabulary-parallel, padded head; the backward is that of the log-probs."""
+    vocabulary-parallel, padded head; the backward is that of the log-probs. This shard's statistics and
+    gradients come from the kernels' `shard_partials` / `grads` (Triton, or their torch reference)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -60,17 +63,12 @@ class _VocabParallelLogprob(torch.autograd.Function):
         rank, vocab = (dist.get_rank(group) if group is not None else 0), weight.shape[0]
         real = max(0, min(vocab, vocab_size - rank * vocab))  # this shard's rows that are not padding
         local = targets - rank * vocab
-        owned = (local >= 0) & (local < vocab)
-        local = torch.where(owned, local, 0)
-        if kernel:
-            from rollart_hpc.kernels.lm_head_triton import shard_partials
-
-            top, total, tgt, shard_entropy = shard_partials(
-                hidden, weight, torch.where(owned, local, -1), real, _TUNING, with_entropy
-            )
-            lse = top + torch.log(total)  # -inf on a shard of padding only
-        else:
-            lse, tgt, shard_entropy = _torch_partials(hidden, weight, local, owned, real, with_entropy)
+        local = torch.where((local >= 0) & (local < vocab), local, -1)  # -1: another shard's target
+        # The torch reference holds one chunk of logits at a time: `LOGITS_BUDGET_ELEMENTS`.
+        tuning = _TUNING if kernel else KernelTuning(token_chunk=_chunk(vocab))
+        ops = importlib.import_module(IMPLS["triton" if kernel else "torch"])
+        lse, tgt, shard_entropy = ops.shard_partials(hidden, weight, local, real, tuning, with_entropy)
+        lse, tgt = lse.float(), tgt.float()
         shard_lse = lse
         if group is not None:
             top = comm.all_reduce(lse.clone(), "vocab-parallel max", timeout_s, dist.ReduceOp.MAX, group)
@@ -79,75 +77,22 @@ class _VocabParallelLogprob(torch.autograd.Function):
             lse = top + torch.log(total)
         entropy = hidden.new_empty(0, dtype=torch.float32)
         if shard_entropy is not None:
-            entropy = shard_entropy
+            entropy = shard_entropy.float()
             if group is not None:  # a mixture of the shards' softmaxes with weights w = exp(lse_r - lse)
                 log_w = shard_lse - lse
                 w = torch.exp(log_w)
-                entropy = torch.where(w > 0, w * (shard_entropy - log_w), 0.0)
+                entropy = torch.where(w > 0, w * (entropy - log_w), 0.0)
                 comm.all_reduce(entropy, "vocab-parallel entropy", timeout_s, group=group)
-        ctx.save_for_backward(hidden, weight, local, owned, lse)
-        ctx.real, ctx.kernel = real, kernel
+        ctx.save_for_backward(hidden, weight, local, lse)
+        ctx.real, ctx.ops, ctx.tuning = real, ops, tuning
         ctx.mark_non_differentiable(entropy)
         return (tgt - lse).clamp(max=0.0), entropy
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _grad_entropy: Any) -> tuple[Any, ...]:
-        hidden, weight, local, owned, lse = ctx.saved_tensors
-        if ctx.kernel:
-            from rollart_hpc.kernels.lm_head_triton import grads
-
-            targets = torch.where(owned, local, -1)
-            grad_h, grad_w = grads(hidden, weight, targets, lse, grad.float(), _TUNING, ctx.real)
-            return grad_h, grad_w, None, None, None, None, None, None
-        w = weight.float()
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        step = _chunk(weight.shape[0])
-        g = grad.float()
-        for start in range(0, hidden.shape[0], step):
-            sl = slice(start, start + step)
-            h = hidden[sl].float()
-            dlogits = torch.exp(_masked(h @ w.T, ctx.real) - lse[sl].unsqueeze(1)) * (-g[sl]).unsqueeze(1)
-            rows = torch.arange(dlogits.shape[0], device=dlogits.device)
-            dlogits[rows, local[sl]] += torch.where(owned[sl], g[sl], 0.0)
-            grad_hidden[sl] = dlogits @ w
-            grad_weight += dlogits.T @ h
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None, None
-
-
-def _torch_partials(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    local: torch.Tensor,
-    owned: torch.Tensor,
-    real: int,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """This shard's log-sum-exp, target logit (0 where not owned) and, `with_entropy`, the entropy of its
-    softmax over the shard (0 on a shard of padding only; else None) [N], fp32 logits a chunk at a time."""
-    lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    tgt = torch.zeros_like(lse)
-    entropy = torch.empty_like(lse) if with_entropy else None
-    w = weight.float()
-    step = _chunk(weight.shape[0])
-    for start in range(0, hidden.shape[0], step):
-        sl = slice(start, start + step)
-        logits = _masked(hidden[sl].float() @ w.T, real)
-        lse[sl] = torch.logsumexp(logits, dim=1)
-        picked = logits.gather(1, local[sl].unsqueeze(1)).squeeze(1)
-        tgt[sl] = torch.where(owned[sl], picked, 0.0)
-        if entropy is not None:  # - sum p log p; padding columns (p = 0) and padding shards give 0
-            log_p = logits - lse[sl].unsqueeze(1)
-            p = torch.exp(log_p)
-            entropy[sl] = -torch.where(p > 0, p * log_p, 0.0).sum(dim=1)
-    return lse, tgt, entropy
-
-
-def _masked(logits: torch.Tensor, real: int) -> torch.Tensor:
-    """Padding columns (index >= real) set to -inf, so they carry no probability and no gradient."""
-    if real == logits.shape[1]:
-        return logits
-    return logits.index_fill(1, torch.arange(real, logits.shape[1], device=logits.device), float("-inf"))
+        hidden, weight, local, lse = ctx.saved_tensors
+        grad_h, grad_w = ctx.ops.grads(hidden, weight, local, lse, grad.float(), ctx.tuning, ctx.real)
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def head_logprobs(
@@ -274,10 +219,7 @@ def token_logprobs_entropy(
 def mask_padding(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
     """Vocabulary-parallel logits [..., V/TP] with the padding columns of this shard set to -inf."""
     shard = logits.shape[-1]
-    real = max(0, min(shard, vocab_size - tp_rank * shard))
-    if real == shard:
-        return logits
-    return logits.index_fill(-1, torch.arange(real, shard, device=logits.device), float("-inf"))
+    return mask_columns(logits, max(0, min(shard, vocab_size - tp_rank * shard)))
 
 
 def token_entropy(
