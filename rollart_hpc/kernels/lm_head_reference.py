@@ -37,9 +37,9 @@ def token_chunk_size(num_vocab: int, tuning: KernelTuning) -> int:
     return tuning.token_chunk or budget_chunk(num_vocab, LOGITS_BUDGET_ELEMENTS)
 
 
-def _owned(targets: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(whether each target is a row of this head [T], the target where it is, else 0 [T] int64)."""
-    owned = (targets >= 0) & (targets < num_rows)
+def _owned(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each target is on this head, not -1 [T], the target where it is, else 0 [T] int64)."""
+    owned = targets >= 0
     return owned, torch.where(owned, targets, 0).long()
 
 
@@ -53,14 +53,14 @@ def shard_partials(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per token [T] in the compute dtype, over the first `num_real` rows of the head `weight` (the rest is
     padding, masked): the log-sum-exp (-inf on a head of padding only), the target logit (0 where the target
-    is not a row of `weight`, e.g. -1) and, `with_entropy`, the entropy of the softmax (0 on a head of
+    is -1: another shard's) and, `with_entropy`, the entropy of the softmax (0 on a head of
     padding only; else None)."""
     dtype = compute_dtype(hidden.dtype)
     w = weight.to(dtype)
     lse = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
     target_logit = torch.zeros_like(lse)
     entropy = torch.empty_like(lse) if with_entropy else None
-    owned, picked = _owned(targets, weight.shape[0])
+    owned, picked = _owned(targets)
     for sl in token_slices(hidden.shape[0], token_chunk_size(weight.shape[0], tuning)):
         logits = mask_columns(hidden[sl].to(dtype) @ w.T, num_real)
         lse[sl] = torch.logsumexp(logits, dim=1)
@@ -141,13 +141,13 @@ def grads(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """d hidden, d weight for d loss / d logprob = g, recomputing logits one token chunk at a time. num_real:
     only weight rows [0, num_real) are vocabulary (the rest, padding, is masked: its d weight is 0); a
-    target that is not a row of `weight` (e.g. -1) adds no one-hot term."""
+    target of -1 (another shard's) adds no one-hot term."""
     dtype = compute_dtype(hidden.dtype)
     num_real = weight.shape[0] if num_real is None else num_real
     w = weight.to(dtype)
     grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
     grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
-    owned, picked = _owned(targets, weight.shape[0])
+    owned, picked = _owned(targets)
     for sl in token_slices(hidden.shape[0], token_chunk_size(weight.shape[0], tuning)):
         h = hidden[sl].to(dtype)
         g_chunk = g[sl].to(dtype)

@@ -2,16 +2,17 @@
 
 `head_logprobs(hidden [N, H], weight [V/TP, H], targets [N], vocab_size, ...)` returns log p(target) [N],
 with gradients to the hidden states and the weight shard. The head may hold padding rows past
-`vocab_size` (`convert.padded_vocab_size`); their logits are masked out. Tensor parallel size 1 and no
-padding: the kernels' fused `linear_logprob`. Otherwise (vocabulary-parallel head, rank r holds rows
-[r V/TP, (r+1) V/TP)): each rank's log-sum-exp and target logit over its shard are combined over the TP
-group (max, then sum of rescaled exp, then sum: three all-reduces of [N] per call), and the backward
-recomputes this shard's logits from the saved global log-sum-exp, giving this shard's part of d hidden and
-its d weight. The shard's partials and its backward come from the Triton kernel
-(`lm_head_triton.shard_partials` / `grads`: padding columns masked in the kernel) or from its torch reference
-(`lm_head_reference`, logits a chunk of tokens at a time). Implementation (`impl`, as `kernels.resolve_impl`): "auto" reads
-ROLLART_KERNEL_IMPL, then takes Triton on CUDA and torch on CPU (the Triton interpreter only in tests). The hidden states must enter through Megatron's `copy_to_tensor_model_parallel_region`
-(done here), whose backward sums the partial hidden-state gradients over the TP group.
+`vocab_size` (`convert.padded_vocab_size`); their logits are masked out. Both that and the
+vocabulary-parallel head (rank r holds rows [r V/TP, (r+1) V/TP)) go through the kernels' `head_logprob`:
+each rank's log-sum-exp and target logit over its shard are combined over the TP group (max, then sum of
+rescaled exp, then sum: three all-reduces of [N] per call), and the backward recomputes this shard's
+logits from the saved global log-sum-exp, giving this shard's part of d hidden and its d weight. The
+shard's partials and its backward come from the Triton kernel (`lm_head_triton.shard_partials` / `grads`:
+padding columns masked in the kernel) or from its torch reference (`lm_head_reference`, logits a chunk of
+tokens at a time). Implementation (`impl`, as `kernels.resolve_impl`): "auto" reads ROLLART_KERNEL_IMPL,
+then takes Triton on CUDA and torch on CPU (the Triton interpreter only in tests). The hidden states must
+enter through Megatron's `copy_to_tensor_model_parallel_region` (done here), whose backward sums the
+partial hidden-state gradients over the TP group.
 
 Entropy: `head_logprobs_entropy` also returns the softmax entropy per token, detached, from the same logit
 tiles or chunks (each shard's entropy, then under TP the entropy of the mixture of the shards' softmaxes,
@@ -25,14 +26,13 @@ are fp32 and the gradients return in the inputs' dtype.
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rollart_hpc.kernels.common import KernelTuning, budget_chunk, mask_columns
-from rollart_hpc.kernels.policy_loss import IMPLS
 from rollart_hpc.train import comm
 
 LOGITS_BUDGET_ELEMENTS = 1 << 22  # float32 logits held per chunk (16 MiB)
@@ -43,56 +43,14 @@ def _chunk(num_vocab: int) -> int:
     return budget_chunk(num_vocab, LOGITS_BUDGET_ELEMENTS)
 
 
-class _VocabParallelLogprob(torch.autograd.Function):
-    """(log p(target) [N], the softmax entropy [N] when asked (detached; else empty)) over a
-    vocabulary-parallel, padded head; the backward is that of the log-probs. This shard's statistics and
-    gradients come from the kernels' `shard_partials` / `grads` (Triton, or their torch reference)."""
+def _reducer(group: Any, what: str, timeout_s: float) -> Callable[[torch.Tensor, str], torch.Tensor]:
+    """The kernels' `reduce` over the tensor-parallel group: in place, op "max" or "sum"."""
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        vocab_size: int,
-        group: Any,
-        timeout_s: float,
-        kernel: bool,
-        with_entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rank, vocab = (dist.get_rank(group) if group is not None else 0), weight.shape[0]
-        real = max(0, min(vocab, vocab_size - rank * vocab))  # this shard's rows that are not padding
-        local = targets - rank * vocab
-        local = torch.where((local >= 0) & (local < vocab), local, -1)  # -1: another shard's target
-        # The torch reference holds one chunk of logits at a time: `LOGITS_BUDGET_ELEMENTS`.
-        tuning = _TUNING if kernel else KernelTuning(token_chunk=_chunk(vocab))
-        ops = importlib.import_module(IMPLS["triton" if kernel else "torch"])
-        lse, tgt, shard_entropy = ops.shard_partials(hidden, weight, local, real, tuning, with_entropy)
-        lse, tgt = lse.float(), tgt.float()
-        shard_lse = lse
-        if group is not None:
-            top = comm.all_reduce(lse.clone(), "vocab-parallel max", timeout_s, dist.ReduceOp.MAX, group)
-            total = comm.all_reduce(torch.exp(lse - top), "vocab-parallel sum-exp", timeout_s, group=group)
-            comm.all_reduce(tgt, "vocab-parallel target logit", timeout_s, group=group)
-            lse = top + torch.log(total)
-        entropy = hidden.new_empty(0, dtype=torch.float32)
-        if shard_entropy is not None:
-            entropy = shard_entropy.float()
-            if group is not None:  # a mixture of the shards' softmaxes with weights w = exp(lse_r - lse)
-                log_w = shard_lse - lse
-                w = torch.exp(log_w)
-                entropy = torch.where(w > 0, w * (entropy - log_w), 0.0)
-                comm.all_reduce(entropy, "vocab-parallel entropy", timeout_s, group=group)
-        ctx.save_for_backward(hidden, weight, local, lse)
-        ctx.real, ctx.ops, ctx.tuning = real, ops, tuning
-        ctx.mark_non_differentiable(entropy)
-        return (tgt - lse).clamp(max=0.0), entropy
+    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        kind = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        return comm.all_reduce(tensor, f"vocab-parallel {what} {op}", timeout_s, kind, group)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _grad_entropy: Any) -> tuple[Any, ...]:
-        hidden, weight, local, lse = ctx.saved_tensors
-        grad_h, grad_w = ctx.ops.grads(hidden, weight, local, lse, grad.float(), ctx.tuning, ctx.real)
-        return grad_h, grad_w, None, None, None, None, None, None
+    return reduce
 
 
 def head_logprobs(
@@ -142,29 +100,30 @@ def _head(
     impl: str,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    from rollart_hpc.kernels import linear_logprob_entropy, resolve_impl
-    from rollart_hpc.kernels.policy_loss import linear_logprob
+    from rollart_hpc.kernels.policy_loss import head_logprob, resolve_impl
 
-    kernel = resolve_impl(impl, hidden.device) == "triton"
+    impl = "triton" if resolve_impl(impl, hidden.device) == "triton" else "torch"
     if tp_size == 1 and weight.shape[0] == vocab_size:
         # The torch reference holds one chunk of logits at a time: the same budget as the path below.
         tuning = None if hidden.is_cuda else KernelTuning(token_chunk=_chunk(vocab_size))
-        impl = "triton" if kernel else "torch"
-        if with_entropy:
-            lp, ent = linear_logprob_entropy(hidden, weight, targets, impl, tuning=tuning)
-            return lp.float(), ent.float()
-        return linear_logprob(hidden, weight, targets, impl, tuning=tuning).float(), None
-    group = None
+        lp, ent = head_logprob(hidden, weight, targets, impl, tuning, with_entropy)
+        return lp.float(), ent.float() if with_entropy else None
+    rank, reduce = 0, None
     if tp_size > 1:
         from megatron.core import parallel_state, tensor_parallel
 
         group = parallel_state.get_tensor_model_parallel_group()
+        rank, reduce = dist.get_rank(group), _reducer(group, "log-prob", timeout_s)
         if copy_to_tp:
             hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-    lp, ent = _VocabParallelLogprob.apply(
-        hidden, weight, targets, vocab_size, group, timeout_s, kernel, with_entropy
-    )
-    return lp, ent if with_entropy else None
+    vocab = weight.shape[0]
+    real = max(0, min(vocab, vocab_size - rank * vocab))  # this shard's rows that are not padding
+    local = targets - rank * vocab
+    local = torch.where((local >= 0) & (local < vocab), local, -1)  # -1: another shard's target
+    # The torch reference holds one chunk of logits at a time: `LOGITS_BUDGET_ELEMENTS`.
+    tuning = _TUNING if impl == "triton" else KernelTuning(token_chunk=_chunk(vocab))
+    lp, ent = head_logprob(hidden, weight, local, impl, tuning, with_entropy, real, reduce)
+    return lp.float(), ent.float() if with_entropy else None
 
 
 def token_logprobs(
@@ -235,19 +194,13 @@ def token_entropy(
     a chunk of tokens at a time, padding masked; under TP two sums and a max over the group)."""
     from rollart_hpc.kernels.entropy import head_entropy
 
-    rank, group = 0, None
+    rank, reduce = 0, None
     if tp_size > 1:
         from megatron.core import parallel_state, tensor_parallel
 
         group = parallel_state.get_tensor_model_parallel_group()
-        rank = dist.get_rank(group)
+        rank, reduce = dist.get_rank(group), _reducer(group, "entropy", timeout_s)
         if copy_to_tp:
             hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-
-    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
-        kind = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        return comm.all_reduce(tensor, f"vocab-parallel entropy {op}", timeout_s, kind, group)
-
     real = vocab_size - rank * weight.shape[0]
-    chunk = _chunk(weight.shape[0])
-    return head_entropy(hidden, weight, real, reduce if group is not None else None, chunk).float()
+    return head_entropy(hidden, weight, real, reduce, _chunk(weight.shape[0])).float()
