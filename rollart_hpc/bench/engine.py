@@ -22,7 +22,6 @@ matrix multiplies) and the top ops by self time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -32,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rollart_hpc.bench.report import emit
 from rollart_hpc.contracts.errors import UsageError
 
 PROMPTS = (
@@ -226,12 +226,7 @@ def main(args: argparse.Namespace) -> int:
 
             result["prefix_cache"] = bench_episodes(model_dir, args.episodes, args.repeats, args.dtype, 2048)
     result["model"] = args.model
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    return 0
+    return emit(result, args)
 
 
 def _vllm_engine(model_dir: Path, args: argparse.Namespace, num_prompts: int) -> Any:

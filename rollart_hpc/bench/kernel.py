@@ -23,7 +23,6 @@ the current ones), so the fused backward cannot skip work that the FLOP count in
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -33,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rollart_hpc.bench.report import emit
 from rollart_hpc.contracts.errors import UsageError
 
 GPU_SHAPE = (32768, 4096, 151936)
@@ -385,7 +385,7 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "trainer_loss", False):
         result = _run_trainer_loss(args)
         result.update(torch=torch.__version__, python=platform.python_version(), host=platform.node())
-        return _emit(result, args)
+        return emit(result, args)
     cuda = torch.cuda.is_available()
     spec = _resolve(args, cuda)
     if spec["device"] == "cpu" and _needs_interpreter(args, cuda):
@@ -393,16 +393,7 @@ def main(args: argparse.Namespace) -> int:
     runner = _run_gpu if spec["device"] == "cuda" else _run_cpu
     result = {**spec, "impl": args.impl, "flop_count": "8*T*H*V", **runner(spec, args)}
     result.update(torch=torch.__version__, python=platform.python_version(), host=platform.node())
-    return _emit(result, args)
-
-
-def _emit(result: dict[str, Any], args: argparse.Namespace) -> int:
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    return 0
+    return emit(result, args)
 
 
 if __name__ == "__main__":

@@ -54,20 +54,14 @@ def prepare_model(config: Config, run_dir: Path) -> Path:
 
 def _make_run_tiny_model(config: Config, out_dir: Path) -> None:
     from rollart_hpc.models.tiny import make_tiny_model
+    from rollart_hpc.models.tiny_shape import tiny_shape
 
     families = {name: spec.build() for name, spec in family_specs(config.envs).items()}
     corpus = list(task_corpus(config, families, run_tasks(config.envs)))
-    m = config.model
     make_tiny_model(
         out_dir,
-        family=m.family,
         seed=config.run.seed,
-        hidden_size=m.hidden_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads,
-        head_dim=m.head_dim,
-        vocab_size=m.vocab_size,
         max_position_embeddings=max(2048, config.rollout.max_model_len),
         corpus=corpus,
+        **tiny_shape(config.model),
     )

@@ -13,6 +13,7 @@ recomputed tile by tile from `lse`, never stored for all of [T, V]. Per-token ou
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -195,6 +196,32 @@ class TokenForward(NamedTuple):
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the torch paths' logits: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def budget_chunk(num_vocab: int, budget_elements: int) -> int:
+    """Tokens per chunk so that one chunk of [tokens, num_vocab] logits holds about `budget_elements`."""
+    return max(1, budget_elements // max(num_vocab, 1))
+
+
+def token_slices(num_tokens: int, chunk: int) -> Iterator[slice]:
+    """Consecutive slices of `chunk` tokens (the last one shorter) covering [0, num_tokens)."""
+    for start in range(0, num_tokens, chunk):
+        yield slice(start, min(start + chunk, num_tokens))
+
+
+def mask_columns(logits: torch.Tensor, num_real: int) -> torch.Tensor:
+    """Logits [..., V] with the columns from `num_real` on (a padded head's rows) set to -inf, so they carry
+    no probability and no gradient; the input itself when there are none."""
+    if num_real >= logits.shape[-1]:
+        return logits
+    return logits.index_fill(
+        -1, torch.arange(num_real, logits.shape[-1], device=logits.device), float("-inf")
+    )
 
 
 def check_shapes(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:

@@ -22,18 +22,9 @@ from typing import Any
 
 import torch
 
+from rollart_hpc.kernels.common import compute_dtype, mask_columns, token_slices
+
 Reduce = Callable[[torch.Tensor, str], torch.Tensor]
-
-
-def _dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _logits(h: torch.Tensor, w: torch.Tensor, num_real: int) -> torch.Tensor:
-    logits = h @ w.T
-    if num_real < logits.shape[1]:
-        logits[:, num_real:] = float("-inf")
-    return logits
 
 
 class _HeadEntropy(torch.autograd.Function):
@@ -46,20 +37,18 @@ class _HeadEntropy(torch.autograd.Function):
         reduce: Reduce | None,
         token_chunk: int,
     ) -> torch.Tensor:
-        dtype = _dtype(hidden.dtype)
+        dtype = compute_dtype(hidden.dtype)
         w = weight.to(dtype)
         n = hidden.shape[0]
         top = torch.full((n,), float("-inf"), dtype=dtype, device=hidden.device)
-        for start in range(0, n, token_chunk):
-            sl = slice(start, start + token_chunk)
-            top[sl] = _logits(hidden[sl].to(dtype), w, num_real).amax(dim=1)
+        for sl in token_slices(n, token_chunk):
+            top[sl] = mask_columns(hidden[sl].to(dtype) @ w.T, num_real).amax(dim=1)
         if reduce is not None:
             reduce(top, "max")
         top = torch.where(torch.isfinite(top), top, 0.0)
         total, dot = torch.zeros_like(top), torch.zeros_like(top)
-        for start in range(0, n, token_chunk):
-            sl = slice(start, start + token_chunk)
-            x = _logits(hidden[sl].to(dtype), w, num_real) - top[sl, None]
+        for sl in token_slices(n, token_chunk):
+            x = mask_columns(hidden[sl].to(dtype) @ w.T, num_real) - top[sl, None]
             e = torch.exp(x)
             total[sl] = e.sum(dim=1)
             dot[sl] = (e * torch.where(e > 0, x, 0.0)).sum(dim=1)
@@ -80,10 +69,9 @@ class _HeadEntropy(torch.autograd.Function):
         grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
         g = grad.to(dtype)
-        for start in range(0, hidden.shape[0], ctx.token_chunk):
-            sl = slice(start, start + ctx.token_chunk)
+        for sl in token_slices(hidden.shape[0], ctx.token_chunk):
             h = hidden[sl].to(dtype)
-            log_p = _logits(h, w, ctx.num_real) - lse[sl, None]
+            log_p = mask_columns(h @ w.T, ctx.num_real) - lse[sl, None]
             p = torch.exp(log_p)
             dlogits = -p * (torch.where(p > 0, log_p, 0.0) + entropy[sl, None]) * g[sl, None]
             grad_hidden[sl] = dlogits @ w

@@ -4,7 +4,9 @@ Same operations as `lm_head_triton` (see `common`): logits are computed for `tok
 time in float32 (float64 for float64 inputs), so memory is O(token_chunk * V), never [T, V]. The
 per-token loss terms come from `token_loss.ppo_token_terms` itself (the function the training loss
 uses), and d loss / d logprob from autograd through it, so this path equals the training reference by
-construction.
+construction. `shard_partials` and `grads(..., num_real=...)` serve a vocabulary-parallel, padded head shard
+(`train.lm_head`) as their Triton counterparts do: padding rows masked, a target of another shard passed
+as -1.
 
 `eager_policy_loss` is the unfused baseline (full logits, autograd end to end) used by the benchmark
 and, in float64, as the ground truth of the parity tests.
@@ -19,22 +21,55 @@ from rollart_hpc.kernels.common import (
     KernelTuning,
     LossInputs,
     TokenForward,
+    budget_chunk,
     check_loss_inputs,
     check_shapes,
+    compute_dtype,
+    mask_columns,
+    token_slices,
 )
-from rollart_hpc.kernels.token_loss import ppo_token_terms
+from rollart_hpc.kernels.token_loss import TokenTerms, ppo_token_terms
 
 LOGITS_BUDGET_ELEMENTS = 1 << 24  # 64 MiB of float32 logits per chunk
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def token_chunk_size(num_vocab: int, tuning: KernelTuning) -> int:
-    if tuning.token_chunk is not None:
-        return tuning.token_chunk
-    return max(1, LOGITS_BUDGET_ELEMENTS // max(num_vocab, 1))
+    return tuning.token_chunk or budget_chunk(num_vocab, LOGITS_BUDGET_ELEMENTS)
+
+
+def _owned(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each target is on this head, not -1 [T], the target where it is, else 0 [T] int64)."""
+    owned = targets >= 0
+    return owned, torch.where(owned, targets, 0).long()
+
+
+def shard_partials(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    num_real: int,
+    tuning: KernelTuning,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per token [T] in the compute dtype, over the first `num_real` rows of the head `weight` (the rest is
+    padding, masked): the log-sum-exp (-inf on a head of padding only), the target logit (0 where the target
+    is -1: another shard's) and, `with_entropy`, the entropy of the softmax (0 on a head of
+    padding only; else None)."""
+    dtype = compute_dtype(hidden.dtype)
+    w = weight.to(dtype)
+    lse = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
+    target_logit = torch.zeros_like(lse)
+    entropy = torch.empty_like(lse) if with_entropy else None
+    owned, picked = _owned(targets)
+    for sl in token_slices(hidden.shape[0], token_chunk_size(weight.shape[0], tuning)):
+        logits = mask_columns(hidden[sl].to(dtype) @ w.T, num_real)
+        lse[sl] = torch.logsumexp(logits, dim=1)
+        target_logit[sl] = torch.where(owned[sl], logits.gather(1, picked[sl].unsqueeze(1)).squeeze(1), 0.0)
+        if entropy is not None:  # - sum p log p from the same chunk; padding columns (p = 0) give 0
+            log_p = logits - lse[sl].unsqueeze(1)
+            p = torch.exp(log_p)
+            entropy[sl] = -torch.where(p > 0, p * log_p, 0.0).sum(dim=1)
+    return lse, target_logit, entropy
 
 
 def token_stats(
@@ -45,37 +80,29 @@ def token_stats(
     tuning: KernelTuning,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(log p(target), lse, entropy or None), each [T] in the compute dtype."""
-    dtype = compute_dtype(hidden.dtype)
-    w = weight.to(dtype)
-    num_tokens = hidden.shape[0]
-    logp = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
-    lse = torch.empty_like(logp)
-    entropy = torch.empty_like(logp) if with_entropy else None
-    chunk = token_chunk_size(weight.shape[0], tuning)
-    for start in range(0, num_tokens, chunk):
-        sl = slice(start, min(start + chunk, num_tokens))
-        logits = hidden[sl].to(dtype) @ w.T
-        lse[sl] = torch.logsumexp(logits, dim=1)
-        target_logit = logits.gather(1, targets[sl].long().unsqueeze(1)).squeeze(1)
-        logp[sl] = (target_logit - lse[sl]).clamp(max=0.0)
-        if entropy is not None:  # - sum p log p, from the same chunk of logits
-            log_p = logits - lse[sl].unsqueeze(1)
-            entropy[sl] = -(torch.exp(log_p) * log_p).sum(dim=1)
-    return logp, lse, entropy
+    lse, target_logit, entropy = shard_partials(
+        hidden, weight, targets, weight.shape[0], tuning, with_entropy
+    )
+    return (target_logit - lse).clamp(max=0.0), lse, entropy
+
+
+def _terms(logp: torch.Tensor, inputs: LossInputs, cfg: KernelLossConfig) -> TokenTerms:
+    """`ppo_token_terms` of `logp` with the loss inputs in its dtype."""
+    return ppo_token_terms(
+        logp,
+        inputs.old_logprobs.to(logp.dtype),
+        inputs.behaviour_logprobs.to(logp.dtype),
+        inputs.advantages.to(logp.dtype),
+        inputs.action_mask,
+        cfg,
+    )
 
 
 def loss_terms(logp: torch.Tensor, inputs: LossInputs, cfg: KernelLossConfig) -> tuple[torch.Tensor, ...]:
     """`ppo_token_terms` on detached log-probs, plus d loss_t / d logp_t by autograd."""
     leaf = logp.detach().clone().requires_grad_(True)
     with torch.enable_grad():
-        terms = ppo_token_terms(
-            leaf,
-            inputs.old_logprobs.to(leaf.dtype),
-            inputs.behaviour_logprobs.to(leaf.dtype),
-            inputs.advantages.to(leaf.dtype),
-            inputs.action_mask,
-            cfg,
-        )
+        terms = _terms(leaf, inputs, cfg)
         (coef,) = torch.autograd.grad(terms.loss.sum(), leaf)
     return (
         terms.loss.detach(),
@@ -110,20 +137,24 @@ def grads(
     lse: torch.Tensor,
     g: torch.Tensor,
     tuning: KernelTuning,
+    num_real: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """d hidden, d weight for d loss / d logprob = g, recomputing logits one token chunk at a time."""
+    """d hidden, d weight for d loss / d logprob = g, recomputing logits one token chunk at a time. num_real:
+    only weight rows [0, num_real) are vocabulary (the rest, padding, is masked: its d weight is 0); a
+    target of -1 (another shard's) adds no one-hot term."""
     dtype = compute_dtype(hidden.dtype)
+    num_real = weight.shape[0] if num_real is None else num_real
     w = weight.to(dtype)
     grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
     grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
-    chunk = token_chunk_size(weight.shape[0], tuning)
-    for start in range(0, hidden.shape[0], chunk):
-        sl = slice(start, min(start + chunk, hidden.shape[0]))
+    owned, picked = _owned(targets)
+    for sl in token_slices(hidden.shape[0], token_chunk_size(weight.shape[0], tuning)):
         h = hidden[sl].to(dtype)
         g_chunk = g[sl].to(dtype)
-        dlogits = torch.exp(h @ w.T - lse[sl].to(dtype).unsqueeze(1)) * (-g_chunk).unsqueeze(1)
+        logits = mask_columns(h @ w.T, num_real)
+        dlogits = torch.exp(logits - lse[sl].to(dtype).unsqueeze(1)) * (-g_chunk).unsqueeze(1)
         rows = torch.arange(dlogits.shape[0], device=dlogits.device)
-        dlogits[rows, targets[sl].long()] += g_chunk
+        dlogits[rows, picked[sl]] += torch.where(owned[sl], g_chunk, 0.0)
         grad_hidden[sl] = dlogits @ w
         grad_weight += dlogits.T @ h
     return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype)
@@ -140,12 +171,5 @@ def eager_policy_loss(
     """Unfused baseline: full [T, V] logits in the compute dtype, autograd end to end; (loss, logprobs)."""
     logits = (hidden @ weight.T).to(compute_dtype(hidden.dtype))
     logp = torch.log_softmax(logits, dim=1).gather(1, targets.long().unsqueeze(1)).squeeze(1)
-    terms = ppo_token_terms(
-        logp,
-        inputs.old_logprobs.to(logp.dtype),
-        inputs.behaviour_logprobs.to(logp.dtype),
-        inputs.advantages.to(logp.dtype),
-        inputs.action_mask,
-        cfg,
-    )
+    terms = _terms(logp, inputs, cfg)
     return terms.loss.sum() / float(num_global_action_tokens), logp.detach()

@@ -15,7 +15,7 @@ Tokens with g = 0 (masked, clipped or dual-clipped) are dropped before the backw
 
 Vocabulary-parallel, padded heads (`train.lm_head`): `shard_partials` runs launch 1 alone over the first
 `num_real` rows of a head shard (the columns at or beyond `num_real` are masked to -inf inside the kernel, so
-padding rows are never read) and merges its splits into this shard's max, sum-exp, target logit and (when
+padding rows are never read) and merges its splits into this shard's log-sum-exp, target logit and (when
 asked) the entropy of its softmax over the shard, which the caller combines over the tensor-parallel group; `grads(..., num_real=...)` recomputes only those rows (the
 padding rows' d weight stays 0). A target outside the shard is passed as -1: it matches no column.
 
@@ -26,6 +26,7 @@ Pointer arithmetic assumes contiguous row-major tensors; callers pass `.contiguo
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton
@@ -278,6 +279,20 @@ def _upcast(dtype: torch.dtype) -> bool:
     return interpreting() and dtype != torch.float32
 
 
+def _tile_options(bt: int, bv: int, bh: int, dtype: torch.dtype, tuning: KernelTuning) -> dict[str, Any]:
+    """The launch options of the kernels that form logits tiles (`_logits_tile`): tile sizes, dot precision
+    and warps/stages."""
+    return dict(
+        BT=bt,
+        BV=bv,
+        BH=bh,
+        PREC=_precision(dtype),
+        UPCAST=_upcast(dtype),
+        num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages,
+    )
+
+
 def _blocks(tuning: KernelTuning, num_tokens: int, num_vocab: int, hidden_size: int) -> tuple[int, int, int]:
     if interpreting():  # few, large programs: the interpreter's cost is per program
         fallback = (
@@ -326,14 +341,8 @@ def _launch_partials(hidden, weight, targets, with_entropy, tuning, num_vocab=No
         num_vocab,
         hidden_size,
         split_size,
-        BT=bt,
-        BV=bv,
-        BH=bh,
         WITH_ENTROPY=with_entropy,
-        PREC=_precision(hidden.dtype),
-        UPCAST=_upcast(hidden.dtype),
-        num_warps=tuning.num_warps,
-        num_stages=tuning.num_stages,
+        **_tile_options(bt, bv, bh, hidden.dtype, tuning),
     )
     return parts, nsplit
 
@@ -390,19 +399,19 @@ def shard_partials(
     num_real: int,
     tuning: KernelTuning,
     with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per token [T] (fp32): max logit m, sum of exp(logit - m), the target logit (0 where the target is
-    not in [0, num_real), e.g. -1) and, `with_entropy`, the entropy of the softmax over this shard alone
-    (else None), over the first `num_real` rows of this head shard; the rest is padding. A shard of
-    padding only gives m = -inf, sum 0, entropy 0."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per token [T] (fp32), over the first `num_real` rows of this head shard (the rest is padding): the
+    log-sum-exp, the target logit (0 where the target is not in [0, num_real), e.g. -1) and, `with_entropy`,
+    the entropy of the softmax over this shard alone (else None); as `lm_head_reference.shard_partials`. A
+    shard of padding only gives log-sum-exp -inf, entropy 0."""
     check_shapes(hidden, weight, targets)
     if not 0 <= num_real <= weight.shape[0]:
         raise ValueError(f"num_real must lie in [0, {weight.shape[0]}], got {num_real}")
     num_tokens = hidden.shape[0]
     if num_real == 0 or num_tokens == 0:
-        top = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=hidden.device)
-        zeros = torch.zeros_like(top)
-        return top, zeros, zeros.clone(), zeros.clone() if with_entropy else None
+        lse = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=hidden.device)
+        zeros = torch.zeros_like(lse)
+        return lse, zeros, zeros.clone() if with_entropy else None
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
     parts, _ = _launch_partials(hidden, weight, targets, with_entropy, tuning, num_real)
     split_max, split_sum, split_centred, split_target = parts
@@ -413,7 +422,7 @@ def shard_partials(
     if with_entropy:  # as `_merge_splits`: sum exp(x - top) (x - top) over the shard, then log s - e / s
         centred = (scale * (split_centred + split_sum * (split_max - top))).sum(0)
         entropy = torch.log(total) - centred / total
-    return top, total, split_target.sum(0), entropy
+    return top + torch.log(total), split_target.sum(0), entropy
 
 
 def _chunks(tuning: KernelTuning, num_tokens: int, num_vocab: int) -> tuple[int, int]:
@@ -448,13 +457,7 @@ def _vocab_chunk_grads(hidden, weight, targets, lse, g, grad_hidden, v0, v_len, 
             hidden_size,
             v0,
             v_len,
-            BT=bt,
-            BV=bv,
-            BH=bh,
-            PREC=_precision(hidden.dtype),
-            UPCAST=_upcast(hidden.dtype),
-            num_warps=tuning.num_warps,
-            num_stages=tuning.num_stages,
+            **_tile_options(bt, bv, bh, hidden.dtype, tuning),
         )
         grad_hidden[t0 : t0 + t_len] += dlogits @ w_chunk
         if acc is None:

@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rollart_hpc.kernels.common import KernelLossConfig, KernelTuning, LossInputs, TokenForward
+from rollart_hpc.kernels.common import KernelLossConfig, KernelTuning, LossInputs, TokenForward, check_shapes
+from rollart_hpc.kernels.entropy import Reduce
 from rollart_hpc.kernels.token_loss import LossDiagnostics, TokenTerms, reduce_token_terms
 
 IMPLS: dict[str, str] = {
@@ -80,7 +81,15 @@ class _TokenLoss(torch.autograd.Function):
 
 
 class _LinearLogprob(torch.autograd.Function):
-    """log p(target) [T] of hidden @ weight.T, with the recomputing backward for any upstream gradient."""
+    """(log p(target) [T], the softmax entropy [T] when asked (detached; else empty)) of hidden @ weight.T
+    over the first `num_real` rows of `weight` (the rest is padding), from the backend's `shard_partials`,
+    with its recomputing backward (`grads`) for any upstream gradient of the log-probs.
+
+    With `reduce`, `weight` is one shard of a vocabulary-parallel head and `targets` index it (-1: another
+    shard's target): the shards' log-sum-exps combine through `reduce` (a max, then a sum of rescaled
+    exps), their target logits by a sum, and their entropies as that of the mixture of the shards'
+    softmaxes, sum_r w_r (H_r - log w_r) with w_r = exp(lse_r - lse) (one more sum). The gradients are this
+    shard's part: the caller sums that of the hidden states over the shards."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -91,24 +100,57 @@ class _LinearLogprob(torch.autograd.Function):
         ops: ModuleType,
         tuning: KernelTuning,
         with_entropy: bool,
+        num_real: int,
+        reduce: Reduce | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        num_tokens = hidden.shape[0]
-        zeros = torch.zeros(num_tokens, dtype=torch.float32, device=hidden.device)
-        inputs = LossInputs(zeros.to(torch.bool), zeros, zeros, zeros)
-        out = ops.forward(hidden, weight, targets, inputs, KernelLossConfig(), with_entropy, tuning)
-        ctx.save_for_backward(hidden, weight, targets, out.lse)
-        ctx.ops, ctx.tuning = ops, tuning
-        entropy = out.entropy if out.entropy is not None else out.logprobs.new_empty(0)
+        check_shapes(hidden, weight, targets)
+        lse, target_logit, entropy = ops.shard_partials(
+            hidden, weight, targets, num_real, tuning, with_entropy
+        )
+        if reduce is not None:
+            shard_lse = lse
+            top = reduce(lse.clone(), "max")
+            lse = top + torch.log(reduce(torch.exp(lse - top), "sum"))
+            reduce(target_logit, "sum")
+            if entropy is not None:
+                log_w = shard_lse - lse
+                w = torch.exp(log_w)
+                entropy = reduce(torch.where(w > 0, w * (entropy - log_w), 0.0), "sum")
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.ops, ctx.tuning, ctx.num_real = ops, tuning, num_real
+        entropy = entropy if entropy is not None else lse.new_empty(0)
         ctx.mark_non_differentiable(entropy)
-        return out.logprobs, entropy
+        return (target_logit - lse).clamp(max=0.0), entropy
 
     @staticmethod
     def backward(ctx: Any, grad_logp: torch.Tensor, _grad_entropy: Any) -> tuple[Any, ...]:
         hidden, weight, targets, lse = ctx.saved_tensors
         grad_hidden, grad_weight = ctx.ops.grads(
-            hidden, weight, targets, lse, grad_logp.to(lse.dtype), ctx.tuning
+            hidden, weight, targets, lse, grad_logp.to(lse.dtype), ctx.tuning, ctx.num_real
         )
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def head_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    impl: str = "auto",
+    tuning: KernelTuning | None = None,
+    with_entropy: bool = False,
+    num_real: int | None = None,
+    reduce: Reduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target) [T], the entropy [T] detached when `with_entropy`, else empty) of the LM head
+    `weight` [V, H], or of one shard of a vocabulary-parallel, padded head (`num_real`: the rows that are
+    not padding, default all; `reduce`: the in-place all-reduce over the shards, as `entropy.head_entropy`
+    takes it, with op "max" or "sum"); differentiable w.r.t. hidden and weight, never [T, V]."""
+    ops = get_ops(impl, hidden.device)
+    num_real = weight.shape[0] if num_real is None else num_real
+    out: tuple[torch.Tensor, torch.Tensor] = _LinearLogprob.apply(
+        hidden, weight, targets, ops, tuning or KernelTuning(), with_entropy, num_real, reduce
+    )
+    return out
 
 
 def linear_logprob(
@@ -119,9 +161,7 @@ def linear_logprob(
     tuning: KernelTuning | None = None,
 ) -> torch.Tensor:
     """Per-token log p(target) of the LM head, differentiable w.r.t. hidden and weight, never [T, V]."""
-    ops = get_ops(impl, hidden.device)
-    out: torch.Tensor = _LinearLogprob.apply(hidden, weight, targets, ops, tuning or KernelTuning(), False)[0]
-    return out
+    return head_logprob(hidden, weight, targets, impl, tuning)[0]
 
 
 def linear_logprob_entropy(
@@ -134,9 +174,7 @@ def linear_logprob_entropy(
     """`linear_logprob` and the per-token softmax entropy [T] (detached), both from the same logit tiles
     or chunks: the entropy costs no second pass over the head, but carries no gradient (for that:
     `entropy.head_entropy`)."""
-    ops = get_ops(impl, hidden.device)
-    logp, entropy = _LinearLogprob.apply(hidden, weight, targets, ops, tuning or KernelTuning(), True)
-    return logp, entropy
+    return head_logprob(hidden, weight, targets, impl, tuning, with_entropy=True)
 
 
 class FusedTokens(NamedTuple):

@@ -64,6 +64,7 @@ def _rope_scaling(text: str | None) -> dict[str, object] | None:
 
 def _make_tiny(args: argparse.Namespace) -> int:
     from rollart_hpc.models.tiny import make_tiny_model
+    from rollart_hpc.models.tiny_shape import tiny_shape
 
     corpus = None
     if args.corpus is not None:
@@ -73,17 +74,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
     rope_scaling = _rope_scaling(args.rope_scaling)
     try:
         out = make_tiny_model(
-            args.out,
-            family=args.family,
-            seed=args.seed,
-            hidden_size=args.hidden_size,
-            num_layers=args.num_layers,
-            num_heads=args.num_heads,
-            num_kv_heads=args.num_kv_heads,
-            head_dim=args.head_dim,
-            vocab_size=args.vocab_size,
-            corpus=corpus,
-            rope_scaling=rope_scaling,
+            args.out, seed=args.seed, corpus=corpus, rope_scaling=rope_scaling, **tiny_shape(args)
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc

@@ -93,13 +93,21 @@ def _sharded_state(model: Any, optimizer: Any, step: int, loading: bool) -> dict
     return {"model": model_sharded, "optimizer": opt_sharded, "step": step}
 
 
-def _prepare_dirs(final: Path, tmp: Path) -> None:
-    if is_complete(final):
-        raise FileExistsError(f"checkpoint {final} already exists (it has its {MARKER} marker)")
-    for stale in (tmp, final):
-        if stale.exists():
-            shutil.rmtree(stale)
-    tmp.mkdir(parents=True)
+def _prepare_dirs(directory: str | Path, model: Any, timeout_s: float) -> tuple[Path, Path, Any]:
+    """(final directory, its temporary sibling, the model's device) of a save to `directory`: rank 0 clears
+    stale ones and creates the temporary one, then every rank waits for it."""
+    final = Path(directory).absolute()
+    tmp = final.with_name(f".{final.name}.tmp")
+    device = next(model.parameters()).device
+    if comm.rank() == 0:
+        if is_complete(final):
+            raise FileExistsError(f"checkpoint {final} already exists (it has its {MARKER} marker)")
+        for stale in (tmp, final):
+            if stale.exists():
+                shutil.rmtree(stale)
+        tmp.mkdir(parents=True)
+    comm.barrier("checkpoint directory ready", timeout_s, device)
+    return final, tmp, device
 
 
 def save(directory: str | Path, model: Any, optimizer: Any, step: int, timeout_s: float) -> Path:
@@ -107,12 +115,7 @@ def save(directory: str | Path, model: Any, optimizer: Any, step: int, timeout_s
     complete one; `model` is the unwrapped GPTModel."""
     from megatron.core import dist_checkpointing
 
-    final = Path(directory).absolute()
-    tmp = final.with_name(f".{final.name}.tmp")
-    device = next(model.parameters()).device
-    if comm.rank() == 0:
-        _prepare_dirs(final, tmp)
-    comm.barrier("checkpoint directory ready", timeout_s, device)
+    final, tmp, device = _prepare_dirs(directory, model, timeout_s)
     dist_checkpointing.save(_sharded_state(model, optimizer, step, False), str(tmp))
     _publish(final, tmp, step, timeout_s, device)
     return final
@@ -125,12 +128,7 @@ def start_save(
     shards are copied to host memory before this returns. Complete it with `PendingSave.finish`."""
     from megatron.core import dist_checkpointing
 
-    final = Path(directory).absolute()
-    tmp = final.with_name(f".{final.name}.tmp")
-    device = next(model.parameters()).device
-    if comm.rank() == 0:
-        _prepare_dirs(final, tmp)
-    comm.barrier("checkpoint directory ready", timeout_s, device)
+    final, tmp, device = _prepare_dirs(directory, model, timeout_s)
     request = dist_checkpointing.save(
         _sharded_state(model, optimizer, step, False), str(tmp), async_sharded_save=True
     )

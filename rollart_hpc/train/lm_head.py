@@ -2,16 +2,17 @@
 
 `head_logprobs(hidden [N, H], weight [V/TP, H], targets [N], vocab_size, ...)` returns log p(target) [N],
 with gradients to the hidden states and the weight shard. The head may hold padding rows past
-`vocab_size` (`convert.padded_vocab_size`); their logits are masked out. Tensor parallel size 1 and no
-padding: the kernels' fused `linear_logprob`. Otherwise (vocabulary-parallel head, rank r holds rows
-[r V/TP, (r+1) V/TP)): each rank's log-sum-exp and target logit over its shard are combined over the TP
-group (max, then sum of rescaled exp, then sum: three all-reduces of [N] per call), and the backward
-recomputes this shard's logits from the saved global log-sum-exp, giving this shard's part of d hidden and
-its d weight. The shard's partials and its backward come from the Triton kernel
-(`lm_head_triton.shard_partials` / `grads`: padding columns masked in the kernel) or from torch, logits a
-chunk of tokens at a time. Implementation (`impl`, as `kernels.resolve_impl`): "auto" reads
-ROLLART_KERNEL_IMPL, then takes Triton on CUDA and torch on CPU (the Triton interpreter only in tests). The hidden states must enter through Megatron's `copy_to_tensor_model_parallel_region`
-(done here), whose backward sums the partial hidden-state gradients over the TP group.
+`vocab_size` (`convert.padded_vocab_size`); their logits are masked out. Both that and the
+vocabulary-parallel head (rank r holds rows [r V/TP, (r+1) V/TP)) go through the kernels' `head_logprob`:
+each rank's log-sum-exp and target logit over its shard are combined over the TP group (max, then sum of
+rescaled exp, then sum: three all-reduces of [N] per call), and the backward recomputes this shard's
+logits from the saved global log-sum-exp, giving this shard's part of d hidden and its d weight. The
+shard's partials and its backward come from the Triton kernel (`lm_head_triton.shard_partials` / `grads`:
+padding columns masked in the kernel) or from its torch reference (`lm_head_reference`, logits a chunk of
+tokens at a time). Implementation (`impl`, as `kernels.resolve_impl`): "auto" reads ROLLART_KERNEL_IMPL,
+then takes Triton on CUDA and torch on CPU (the Triton interpreter only in tests). The hidden states must
+enter through Megatron's `copy_to_tensor_model_parallel_region` (done here), whose backward sums the
+partial hidden-state gradients over the TP group.
 
 Entropy: `head_logprobs_entropy` also returns the softmax entropy per token, detached, from the same logit
 tiles or chunks (each shard's entropy, then under TP the entropy of the mixture of the shards' softmaxes,
@@ -25,12 +26,13 @@ are fp32 and the gradients return in the inputs' dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rollart_hpc.kernels.common import KernelTuning
+from rollart_hpc.kernels.common import KernelTuning, budget_chunk, mask_columns
 from rollart_hpc.train import comm
 
 LOGITS_BUDGET_ELEMENTS = 1 << 22  # float32 logits held per chunk (16 MiB)
@@ -38,116 +40,17 @@ _TUNING = KernelTuning()  # the kernels' device defaults
 
 
 def _chunk(num_vocab: int) -> int:
-    return max(1, LOGITS_BUDGET_ELEMENTS // max(num_vocab, 1))
+    return budget_chunk(num_vocab, LOGITS_BUDGET_ELEMENTS)
 
 
-class _VocabParallelLogprob(torch.autograd.Function):
-    """(log p(target) [N], the softmax entropy [N] when asked (detached; else empty)) over a
-    vocabulary-parallel, padded head; the backward is that of the log-probs."""
+def _reducer(group: Any, what: str, timeout_s: float) -> Callable[[torch.Tensor, str], torch.Tensor]:
+    """The kernels' `reduce` over the tensor-parallel group: in place, op "max" or "sum"."""
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        vocab_size: int,
-        group: Any,
-        timeout_s: float,
-        kernel: bool,
-        with_entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rank, vocab = (dist.get_rank(group) if group is not None else 0), weight.shape[0]
-        real = max(0, min(vocab, vocab_size - rank * vocab))  # this shard's rows that are not padding
-        local = targets - rank * vocab
-        owned = (local >= 0) & (local < vocab)
-        local = torch.where(owned, local, 0)
-        if kernel:
-            from rollart_hpc.kernels.lm_head_triton import shard_partials
+    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        kind = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        return comm.all_reduce(tensor, f"vocab-parallel {what} {op}", timeout_s, kind, group)
 
-            top, total, tgt, shard_entropy = shard_partials(
-                hidden, weight, torch.where(owned, local, -1), real, _TUNING, with_entropy
-            )
-            lse = top + torch.log(total)  # -inf on a shard of padding only
-        else:
-            lse, tgt, shard_entropy = _torch_partials(hidden, weight, local, owned, real, with_entropy)
-        shard_lse = lse
-        if group is not None:
-            top = comm.all_reduce(lse.clone(), "vocab-parallel max", timeout_s, dist.ReduceOp.MAX, group)
-            total = comm.all_reduce(torch.exp(lse - top), "vocab-parallel sum-exp", timeout_s, group=group)
-            comm.all_reduce(tgt, "vocab-parallel target logit", timeout_s, group=group)
-            lse = top + torch.log(total)
-        entropy = hidden.new_empty(0, dtype=torch.float32)
-        if shard_entropy is not None:
-            entropy = shard_entropy
-            if group is not None:  # a mixture of the shards' softmaxes with weights w = exp(lse_r - lse)
-                log_w = shard_lse - lse
-                w = torch.exp(log_w)
-                entropy = torch.where(w > 0, w * (shard_entropy - log_w), 0.0)
-                comm.all_reduce(entropy, "vocab-parallel entropy", timeout_s, group=group)
-        ctx.save_for_backward(hidden, weight, local, owned, lse)
-        ctx.real, ctx.kernel = real, kernel
-        ctx.mark_non_differentiable(entropy)
-        return (tgt - lse).clamp(max=0.0), entropy
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _grad_entropy: Any) -> tuple[Any, ...]:
-        hidden, weight, local, owned, lse = ctx.saved_tensors
-        if ctx.kernel:
-            from rollart_hpc.kernels.lm_head_triton import grads
-
-            targets = torch.where(owned, local, -1)
-            grad_h, grad_w = grads(hidden, weight, targets, lse, grad.float(), _TUNING, ctx.real)
-            return grad_h, grad_w, None, None, None, None, None, None
-        w = weight.float()
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        step = _chunk(weight.shape[0])
-        g = grad.float()
-        for start in range(0, hidden.shape[0], step):
-            sl = slice(start, start + step)
-            h = hidden[sl].float()
-            dlogits = torch.exp(_masked(h @ w.T, ctx.real) - lse[sl].unsqueeze(1)) * (-g[sl]).unsqueeze(1)
-            rows = torch.arange(dlogits.shape[0], device=dlogits.device)
-            dlogits[rows, local[sl]] += torch.where(owned[sl], g[sl], 0.0)
-            grad_hidden[sl] = dlogits @ w
-            grad_weight += dlogits.T @ h
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None, None
-
-
-def _torch_partials(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    local: torch.Tensor,
-    owned: torch.Tensor,
-    real: int,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """This shard's log-sum-exp, target logit (0 where not owned) and, `with_entropy`, the entropy of its
-    softmax over the shard (0 on a shard of padding only; else None) [N], fp32 logits a chunk at a time."""
-    lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    tgt = torch.zeros_like(lse)
-    entropy = torch.empty_like(lse) if with_entropy else None
-    w = weight.float()
-    step = _chunk(weight.shape[0])
-    for start in range(0, hidden.shape[0], step):
-        sl = slice(start, start + step)
-        logits = _masked(hidden[sl].float() @ w.T, real)
-        lse[sl] = torch.logsumexp(logits, dim=1)
-        picked = logits.gather(1, local[sl].unsqueeze(1)).squeeze(1)
-        tgt[sl] = torch.where(owned[sl], picked, 0.0)
-        if entropy is not None:  # - sum p log p; padding columns (p = 0) and padding shards give 0
-            log_p = logits - lse[sl].unsqueeze(1)
-            p = torch.exp(log_p)
-            entropy[sl] = -torch.where(p > 0, p * log_p, 0.0).sum(dim=1)
-    return lse, tgt, entropy
-
-
-def _masked(logits: torch.Tensor, real: int) -> torch.Tensor:
-    """Padding columns (index >= real) set to -inf, so they carry no probability and no gradient."""
-    if real == logits.shape[1]:
-        return logits
-    return logits.index_fill(1, torch.arange(real, logits.shape[1], device=logits.device), float("-inf"))
+    return reduce
 
 
 def head_logprobs(
@@ -197,29 +100,30 @@ def _head(
     impl: str,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    from rollart_hpc.kernels import linear_logprob_entropy, resolve_impl
-    from rollart_hpc.kernels.policy_loss import linear_logprob
+    from rollart_hpc.kernels.policy_loss import head_logprob, resolve_impl
 
-    kernel = resolve_impl(impl, hidden.device) == "triton"
+    impl = "triton" if resolve_impl(impl, hidden.device) == "triton" else "torch"
     if tp_size == 1 and weight.shape[0] == vocab_size:
         # The torch reference holds one chunk of logits at a time: the same budget as the path below.
         tuning = None if hidden.is_cuda else KernelTuning(token_chunk=_chunk(vocab_size))
-        impl = "triton" if kernel else "torch"
-        if with_entropy:
-            lp, ent = linear_logprob_entropy(hidden, weight, targets, impl, tuning=tuning)
-            return lp.float(), ent.float()
-        return linear_logprob(hidden, weight, targets, impl, tuning=tuning).float(), None
-    group = None
+        lp, ent = head_logprob(hidden, weight, targets, impl, tuning, with_entropy)
+        return lp.float(), ent.float() if with_entropy else None
+    rank, reduce = 0, None
     if tp_size > 1:
         from megatron.core import parallel_state, tensor_parallel
 
         group = parallel_state.get_tensor_model_parallel_group()
+        rank, reduce = dist.get_rank(group), _reducer(group, "log-prob", timeout_s)
         if copy_to_tp:
             hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-    lp, ent = _VocabParallelLogprob.apply(
-        hidden, weight, targets, vocab_size, group, timeout_s, kernel, with_entropy
-    )
-    return lp, ent if with_entropy else None
+    vocab = weight.shape[0]
+    real = max(0, min(vocab, vocab_size - rank * vocab))  # this shard's rows that are not padding
+    local = targets - rank * vocab
+    local = torch.where((local >= 0) & (local < vocab), local, -1)  # -1: another shard's target
+    # The torch reference holds one chunk of logits at a time: `LOGITS_BUDGET_ELEMENTS`.
+    tuning = _TUNING if impl == "triton" else KernelTuning(token_chunk=_chunk(vocab))
+    lp, ent = head_logprob(hidden, weight, local, impl, tuning, with_entropy, real, reduce)
+    return lp.float(), ent.float() if with_entropy else None
 
 
 def token_logprobs(
@@ -274,10 +178,7 @@ def token_logprobs_entropy(
 def mask_padding(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
     """Vocabulary-parallel logits [..., V/TP] with the padding columns of this shard set to -inf."""
     shard = logits.shape[-1]
-    real = max(0, min(shard, vocab_size - tp_rank * shard))
-    if real == shard:
-        return logits
-    return logits.index_fill(-1, torch.arange(real, shard, device=logits.device), float("-inf"))
+    return mask_columns(logits, max(0, min(shard, vocab_size - tp_rank * shard)))
 
 
 def token_entropy(
@@ -293,19 +194,13 @@ def token_entropy(
     a chunk of tokens at a time, padding masked; under TP two sums and a max over the group)."""
     from rollart_hpc.kernels.entropy import head_entropy
 
-    rank, group = 0, None
+    rank, reduce = 0, None
     if tp_size > 1:
         from megatron.core import parallel_state, tensor_parallel
 
         group = parallel_state.get_tensor_model_parallel_group()
-        rank = dist.get_rank(group)
+        rank, reduce = dist.get_rank(group), _reducer(group, "entropy", timeout_s)
         if copy_to_tp:
             hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-
-    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
-        kind = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        return comm.all_reduce(tensor, f"vocab-parallel entropy {op}", timeout_s, kind, group)
-
     real = vocab_size - rank * weight.shape[0]
-    chunk = _chunk(weight.shape[0])
-    return head_entropy(hidden, weight, real, reduce if group is not None else None, chunk).float()
+    return head_entropy(hidden, weight, real, reduce, _chunk(weight.shape[0])).float()

@@ -225,19 +225,14 @@ def read_shard(model_dir: str | Path, cfg: ModelConfig, layout: Layout) -> dict[
 
 
 def gpt_from_hf(
-    model_dir: str | Path,
-    device: torch.device,
-    layout: Layout | None = None,
-    sequence_parallel: bool = False,
-    precision: str = "fp32",
-    attention: str = "sdpa",
-    recompute: str = "none",
+    model_dir: str | Path, device: torch.device, layout: Layout | None = None, *options: Any, **named: Any
 ) -> tuple[Any, ModelConfig]:
-    """Build this rank's GPTModel shard of an HF directory in `precision` and load its weights (cast to
-    the parameter dtype), reading only this rank's shard of the checkpoint (`read_shard`); return
-    (model, config)."""
+    """Build this rank's GPTModel shard of an HF directory (`build_gpt`, which takes the further `options`
+    and `named` ones: sequence_parallel, precision, attention, recompute) and load its weights (cast to the
+    parameter dtype), reading only this rank's shard of the checkpoint (`read_shard`); return (model,
+    config)."""
     layout = layout or Layout(1, 0, 1, 0, 1, 0)
     cfg = load_config(model_dir)
-    model = build_gpt(cfg, device, layout, sequence_parallel, precision, attention, recompute)
+    model = build_gpt(cfg, device, layout, *options, **named)
     load_megatron_weights(model, read_shard(model_dir, cfg, layout))
     return model, cfg
