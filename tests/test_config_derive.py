@@ -205,6 +205,10 @@ def test_derive_fills_by_name_rename_given_and_kept() -> None:
     d = derive(_Component, _Section, _Other, rename={"bee": "b"}, given=("seed",), kept=("knob",))
     assert d(_Section(a=5, b="y"), _Other(c=3.0), seed=7) == _Component(a=5, bee="y", c=3.0, seed=7)
     assert d.sources_of() == {"a": "_Section.a", "bee": "_Section.b", "c": "_Other.c"}
+    doubled = derive(
+        _Component, _Section, _Other, rename={"bee": "b"}, given=("seed",), kept=("knob",), convert={"a": abs}
+    )
+    assert doubled(_Section(a=-5, b="y"), _Other(), seed=0).a == 5
 
 
 @pytest.mark.parametrize(
@@ -217,6 +221,14 @@ def test_derive_fills_by_name_rename_given_and_kept() -> None:
         (
             {"rename": {"bee": "b"}, "given": ("seed", "knob"), "kept": ("knob",)},
             r"\['knob'\] declared twice",
+        ),
+        (
+            {"rename": {"bee": "b"}, "given": ("seed",), "kept": ("knob",), "convert": {"zz": abs}},
+            "'zz' is not",
+        ),
+        (
+            {"rename": {"bee": "b"}, "given": ("seed",), "kept": ("knob",), "convert": {"seed": abs}},
+            r"\['seed'\] declared twice",
         ),
     ],
 )

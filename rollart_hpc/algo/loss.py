@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 
 from rollart_hpc.algo import LOSS_EXPORTS
+from rollart_hpc.config.derive import derive
 from rollart_hpc.config.learning import AlgoConfig
 from rollart_hpc.kernels.common import KernelLossConfig, KernelTuning, LossInputs
 from rollart_hpc.kernels.entropy import head_entropy
@@ -55,26 +56,27 @@ behaviour-weight cap 2 as in SPO++, log-ratio clamp 20 as in verl, and the switc
 it from its [algo] section with `loss_config`."""
 
 
+def _off_if_zero(value: float) -> float | None:
+    return value or None
+
+
+LOSS_FROM_ALGO = derive(
+    LossConfig,
+    AlgoConfig,
+    kept=("log_ratio_clamp",),
+    convert={
+        **dict.fromkeys(("dual_clip_c", "is_cap", "is_reject_low", "is_reject_high"), _off_if_zero),
+        "kl_estimator": lambda value: value or LossConfig.kl_estimator,
+        "kl_in": lambda value: value or LossConfig.kl_in,
+    },
+)
+"""The run's loss from the resolved [algo] section, field by field (0 turns dual_clip_c, is_cap and the
+rejection bounds off; an unset KL estimator or placement is the loss's default)."""
+
+
 def loss_config(algo: AlgoConfig) -> LossConfig:
-    """The run's loss from the resolved `algo` section (0 turns dual_clip_c, is_cap and the rejection
-    bounds off)."""
-    return LossConfig(
-        clip_low=algo.clip_low,
-        clip_high=algo.clip_high,
-        dual_clip_c=algo.dual_clip_c or None,
-        is_cap=algo.is_cap or None,
-        decoupled=algo.decoupled,
-        ratio_level=algo.ratio_level,
-        is_level=algo.is_level,
-        is_reject_low=algo.is_reject_low or None,
-        is_reject_high=algo.is_reject_high or None,
-        loss_agg=algo.loss_agg,
-        loss_agg_tokens=algo.loss_agg_tokens,
-        entropy_coef=algo.entropy_coef,
-        kl_coef=algo.kl_coef,
-        kl_estimator=algo.kl_estimator or LossConfig.kl_estimator,
-        kl_in=algo.kl_in or LossConfig.kl_in,
-    )
+    """The run's loss from the resolved `algo` section (`LOSS_FROM_ALGO`)."""
+    return LOSS_FROM_ALGO(algo)
 
 
 class LossBatch(Protocol):

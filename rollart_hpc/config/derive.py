@@ -10,6 +10,9 @@ user's sections. `derive` declares once how: every field of the component is
   seed, a learning rate chosen by phase, a nested settings object built by another derivation), or
 - `kept` at the component's own default (a knob the user config does not expose).
 
+A read field may name a `convert` function, for a section value that spells the component's value
+differently (the user's 0 for "off" where the component takes None).
+
 The declaration is checked when it is made (at import): a component field with no source, a rename to a
 field no section has, a field named twice, or a name that is no field of the component raises at once,
 so adding a field to a component without wiring it (or removing a section field a component reads)
@@ -20,7 +23,7 @@ exactly the declared `given` values are passed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -42,15 +45,16 @@ class Derivation(Generic[T]):
         rename: Mapping[str, str],
         given: frozenset[str],
         kept: frozenset[str],
+        convert: Mapping[str, Callable[[Any], Any]],
     ) -> None:
         self.target, self.sources = target, sources
-        self.given, self.kept = given, kept
+        self.given, self.kept, self.convert = given, kept, convert
         names = _field_names(target)
         source_fields = [set(_field_names(s)) for s in sources]
-        for name in (*rename, *given, *kept):
+        for name in (*rename, *given, *kept, *convert):
             if name not in names:
                 raise TypeError(f"derive({target.__name__}): {name!r} is not a field of {target.__name__}")
-        overlap = (set(rename) & (given | kept)) | (given & kept)
+        overlap = ((set(rename) | set(convert)) & (given | kept)) | (given & kept)
         if overlap:
             raise TypeError(f"derive({target.__name__}): {sorted(overlap)} declared twice")
         read: dict[str, tuple[int, str]] = {}  # target field -> (source index, source field)
@@ -81,6 +85,8 @@ class Derivation(Generic[T]):
                 f"{self.target.__name__}: expected given values {sorted(self.given)}, got {sorted(given)}"
             )
         kwargs = {name: getattr(sections[i], field) for name, (i, field) in self.read.items()}
+        for name, convert in self.convert.items():
+            kwargs[name] = convert(kwargs[name])
         return self.target(**kwargs, **given)
 
     def sources_of(self) -> dict[str, str]:
@@ -94,8 +100,12 @@ def derive(
     rename: Mapping[str, str] | None = None,
     given: Iterable[str] = (),
     kept: Iterable[str] = (),
+    convert: Mapping[str, Callable[[Any], Any]] | None = None,
 ) -> Derivation[T]:
     """Declare how `target` is built from `sources` (user section classes; the first having a field
     wins); `rename`: component field -> section field where the names differ; `given`: fields the caller
-    passes at build time; `kept`: fields left at the component's default. Checked here, at declaration."""
-    return Derivation(target, tuple(sources), dict(rename or {}), frozenset(given), frozenset(kept))
+    passes at build time; `kept`: fields left at the component's default; `convert`: read field -> the
+    function of the section's value that gives the component's. Checked here, at declaration."""
+    return Derivation(
+        target, tuple(sources), dict(rename or {}), frozenset(given), frozenset(kept), dict(convert or {})
+    )
