@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from rollart_hpc.cluster import submission
 from rollart_hpc.cluster.plan import make_plan
 from rollart_hpc.cluster.sbatch import (
     JobSpec,
@@ -240,7 +241,7 @@ def test_examples_are_in_step_with_the_renderer(name: str) -> None:
     config = load_config(REPO / "configs" / f"{name}.toml")
     plan = make_plan(config.roles)
     components = het_components(plan) if len(het_components(plan)) > 1 else (single_component(plan, 1),)
-    text = submit.job_text(plan, components, render_job(_example_spec(config), components))
+    text = submission.job_text(plan, components, render_job(_example_spec(config), components))
     _check(EXAMPLES / f"{name}.sbatch", text)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from slurm_logs import step_succeeded
 
+from rollart_hpc.cluster.jobs import JOB_RECORD, sbatch
 from rollart_hpc.cluster.plan import make_plan
 from rollart_hpc.cluster.sbatch import JobSpec, het_components, render_hetjob
 from rollart_hpc.config import load_config
@@ -107,7 +108,7 @@ def test_hetjob_gpu_ranks_get_distinct_gpus_of_their_node_as_planned(
     }
 
     assert submit.main(_args(repo_root, run_dir, overrides)) == 0
-    record = json.loads((run_dir / submit.JOB_RECORD).read_text())
+    record = json.loads((run_dir / JOB_RECORD).read_text())
     log = Path(record["logs"][0])
     _wait_done(str(record["job_id"]), log)
     assert step_succeeded(_tail(log)), _tail(log)
@@ -138,7 +139,7 @@ def test_submitit_job_on_the_gpu_partition_gives_rollout_and_trainer_their_own_g
         "roles.rollout.gpus_per_rank=1",
     ]
     assert submit.main(_args(repo_root, run_dir, overrides)) == 0
-    record = json.loads((run_dir / submit.JOB_RECORD).read_text())
+    record = json.loads((run_dir / JOB_RECORD).read_text())
     assert record["submitit_parameters"]["gres"] == "gpu:2"
     _wait_done(str(record["job_id"]), Path(record["logs"][1]))
     job: submitit.SlurmJob[int] = submitit.SlurmJob(
@@ -179,6 +180,6 @@ def test_sbatch_itself_refuses_too_many_gpus_in_one_line(repo_root: Path, tmp_pa
     spec = JobSpec("too-many", tmp_path / "run", 5, 0, job="smoke")
     script.write_text(render_hetjob(spec, het_components(make_plan(config.roles))))
     with pytest.raises(UsageError) as info:
-        submit.sbatch(script)
+        sbatch(script)
     assert "sbatch refused" in str(info.value) and "\n" not in str(info.value)
     assert "node configuration is not available" in str(info.value)

@@ -10,8 +10,10 @@ import signal
 import pytest
 from launching import REPO, metric_lines, rank_pid, read_summary, start_run, stored_records, wait_until
 
+from rollart_hpc.cluster.restarts import RESTARTS, WorldOutcome, run_with_restarts
+from rollart_hpc.contracts.rundir import read_restarts
 from rollart_hpc.controller import checkpoint as ckpt
-from rollart_hpc.entry.restarts import RESTARTS, WorldOutcome, read_restarts, run_with_restarts
+from rollart_hpc.entry.restarts import checkpoint_step
 
 ENV_RANK = 2  # configs/tiny.toml: controller 0, rollout 1, env 2, reward 3, trainer 4
 
@@ -41,7 +43,7 @@ OK = WorldOutcome(0, None, False)
 
 def test_restarts_until_success_and_records_each(tmp_path):
     world = FakeWorld(tmp_path, [(1, DIED), (2, DIED), (3, OK)])
-    assert run_with_restarts(tmp_path, world.run, 5, world.check) == 0
+    assert run_with_restarts(tmp_path, world.run, 5, world.check, checkpoint_step) == 0
     assert world.calls == 3 and world.checks == 2
     rows = read_restarts(tmp_path)
     assert [(r["restart"], r["step"], r["cause"]) for r in rows] == [(1, 1, DIED.cause), (2, 2, DIED.cause)]
@@ -49,7 +51,7 @@ def test_restarts_until_success_and_records_each(tmp_path):
 
 def test_same_failure_at_same_step_stops_early(tmp_path, capsys):
     world = FakeWorld(tmp_path, [(1, DIED), (0, DIED), (0, OK)])
-    assert run_with_restarts(tmp_path, world.run, 5, world.check) == 1
+    assert run_with_restarts(tmp_path, world.run, 5, world.check, checkpoint_step) == 1
     assert world.calls == 2 and len(read_restarts(tmp_path)) == 1
     assert "not restarting: the same failure repeated at step 1" in capsys.readouterr().err
 
@@ -57,22 +59,28 @@ def test_same_failure_at_same_step_stops_early(tmp_path, capsys):
 def test_silent_deaths_are_one_cause_whichever_rank_is_named(tmp_path, capsys):
     other_rank = WorldOutcome(1, "rank 3 (reward) died without reporting an error", False)
     world = FakeWorld(tmp_path, [(0, other_rank), (0, DIED), (0, OK)])
-    assert run_with_restarts(tmp_path, world.run, 5, world.check) == 1 and world.calls == 2
+    assert run_with_restarts(tmp_path, world.run, 5, world.check, checkpoint_step) == 1 and world.calls == 2
     assert "the same failure repeated at step 0" in capsys.readouterr().err
     stack = [WorldOutcome(1, f"rank 0 (controller) failed: File too large\n  at {t}", False) for t in (1, 2)]
     world = FakeWorld(tmp_path / "stack", [(0, stack[0]), (0, stack[1]), (0, OK)])
-    assert run_with_restarts(tmp_path / "stack", world.run, 5, world.check) == 1 and world.calls == 2
+    assert (
+        run_with_restarts(tmp_path / "stack", world.run, 5, world.check, checkpoint_step) == 1
+        and world.calls == 2
+    )
     reported = [WorldOutcome(1, f"rank 2 (env) failed: {m}", False) for m in ("disk full", "bad game")]
     world = FakeWorld(tmp_path / "reported", [(0, reported[0]), (0, reported[1]), (0, OK)])
-    assert run_with_restarts(tmp_path / "reported", world.run, 5, world.check) == 0 and world.calls == 3
+    assert (
+        run_with_restarts(tmp_path / "reported", world.run, 5, world.check, checkpoint_step) == 0
+        and world.calls == 3
+    )
 
 
 def test_no_restart_for_a_stop_by_the_launcher_or_without_budget(tmp_path, capsys):
     stopped = WorldOutcome(130, "rank 0 (controller) died without reporting an error", True)
     world = FakeWorld(tmp_path, [(0, stopped)])
-    assert run_with_restarts(tmp_path, world.run, 3, world.check) == 130 and world.calls == 1
+    assert run_with_restarts(tmp_path, world.run, 3, world.check, checkpoint_step) == 130 and world.calls == 1
     world = FakeWorld(tmp_path, [(0, DIED), (0, DIED)])
-    assert run_with_restarts(tmp_path, world.run, 1, world.check) == 1 and world.calls == 2
+    assert run_with_restarts(tmp_path, world.run, 1, world.check, checkpoint_step) == 1 and world.calls == 2
     assert "giving up after 1 restarts" in capsys.readouterr().err
     assert not (tmp_path / RESTARTS).with_suffix(".tmp").exists()
 
@@ -140,8 +148,12 @@ def test_failure_repeating_at_the_same_step_stops_restarts(tmp_path):
 
 
 def test_slurm_step_restart_records_rows_and_stops_on_a_repeat_or_when_spent(tmp_path, capsys):
+    from rollart_hpc.cluster.restarts import restart_after_failed_step as policy
     from rollart_hpc.config import load_config, write_resolved
-    from rollart_hpc.entry.restarts import job_script_main, restart_after_failed_step
+    from rollart_hpc.entry.restarts import check_resumable_run, job_script_main
+
+    def restart_after_failed_step(run_dir, status, max_restarts):
+        return policy(run_dir, status, max_restarts, check_resumable_run, checkpoint_step)
 
     write_resolved(load_config(REPO / "configs" / "tiny.toml"), tmp_path)
     assert job_script_main([str(tmp_path), "0", "2"]) == 1  # the step succeeded: nothing to restart

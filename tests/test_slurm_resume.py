@@ -31,6 +31,7 @@ import pytest
 from launching import launch, metric_rows, rank_pid, read_summary, stored_records
 from slurm_logs import query, rank_nodes
 
+from rollart_hpc.cluster.jobs import JOB_RECORD
 from rollart_hpc.controller.checkpoint import latest
 from rollart_hpc.entry import submit
 
@@ -66,7 +67,7 @@ def _submit(repo_root: Path, run_dir: Path, overrides: list[str]) -> dict[str, A
     config = str(repo_root / "configs" / "tiny.toml")
     argv = [config, *PARTITIONS, *PACE, *overrides, "--run-dir", str(run_dir), "--time-min", "30"]
     assert submit.main(parser.parse_args([*argv, "--max-requeues", "2"])) == 0
-    record = dict(json.loads((run_dir / submit.JOB_RECORD).read_text()))
+    record = dict(json.loads((run_dir / JOB_RECORD).read_text()))
     assert record["mode"] == "hetjob" and record["world_size"] == 5
     return record
 
@@ -227,7 +228,7 @@ def test_preempted_submitit_job_requeues_from_rank_0_and_finishes(repo_root: Pat
     argv += ["--run-dir", str(run_dir), "--time-min", "30", "--max-requeues", "2", "--nodes", "2"]
     start = time.monotonic()
     assert submit.main(parser.parse_args(argv)) == 0
-    record = dict(json.loads((run_dir / submit.JOB_RECORD).read_text()))
+    record = dict(json.loads((run_dir / JOB_RECORD).read_text()))
     assert record["mode"] == "submitit" and record["world_size"] == 6
     job_id = str(record["job_id"])
     try:
@@ -281,7 +282,7 @@ def test_killed_rank_of_a_submitit_job_is_requeued_and_finishes(repo_root: Path,
     argv += [f"controller.num_steps={num_steps}", "controller.checkpoint_every_steps=1"]
     argv += ["--run-dir", str(run_dir), "--time-min", "30", "--max-requeues", "2", "--nodes", "2"]
     assert submit.main(parser.parse_args(argv)) == 0
-    record = dict(json.loads((run_dir / submit.JOB_RECORD).read_text()))
+    record = dict(json.loads((run_dir / JOB_RECORD).read_text()))
     assert record["mode"] == "submitit"
     job_id = str(record["job_id"])
     try:

@@ -525,7 +525,7 @@ def test_worker_task_pickles_by_reference() -> None:
 
 def test_module_imports_nothing_heavy() -> None:
     code = (
-        "import sys, rollart_hpc.entry.submit, rollart_hpc.cluster.sbatch; "
+        "import sys, rollart_hpc.entry.submit, rollart_hpc.cluster.submission, rollart_hpc.cluster.sbatch; "
         "print(sorted(m for m in ('torch', 'mpi4py', 'submitit', 'megatron') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

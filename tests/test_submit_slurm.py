@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from slurm_logs import query, rank_nodes, step_succeeded
 
+from rollart_hpc.cluster.jobs import JOB_RECORD
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.entry import submit
 
@@ -46,7 +47,7 @@ def _submit(repo_root: Path, run_dir: Path, overrides: list[str], *options: str)
     overrides = [*overrides, "cluster.peer_timeout_s=150"]
     args = parser.parse_args([config, *overrides, "--run-dir", str(run_dir), "--time-min", "5", *options])
     assert submit.main(args) == 0
-    return dict(json.loads((run_dir / submit.JOB_RECORD).read_text()))
+    return dict(json.loads((run_dir / JOB_RECORD).read_text()))
 
 
 def _wait_done(job_id: str, logs: list[str]) -> list[str]:

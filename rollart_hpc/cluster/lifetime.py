@@ -12,7 +12,7 @@ kernel send SIGKILL to such a child when its parent dies:
 
 The signal follows the thread that created the child, so a child created by a short-lived thread would
 die with that thread; the rank's helpers are created from its main thread. The launcher is the second
-line of defence: it kills each rank's process group at the end of the world (`entry/launcher.py`).
+line of defence: it kills each rank's process group at the end of the world (`cluster/supervise.py`).
 """
 
 from __future__ import annotations

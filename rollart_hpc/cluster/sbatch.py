@@ -115,7 +115,7 @@ class HetComponent:
 class JobSpec:
     """What every submission of a run shares. `run_dir`, `python` and `mpi_env` are absolute paths;
     `job` is the run's `run.job` (a key of FINISH_MARKERS); `max_restarts` is `cluster.max_restarts`
-    (restarts after a failed step, see `rollart_hpc.entry.restarts`); `env` the (name, value) pairs
+    (restarts after a failed step, see `rollart_hpc.cluster.restarts`); `env` the (name, value) pairs
     exported to every rank (`cluster.net`)."""
 
     name: str

@@ -31,10 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from rollart_hpc.cluster.plan import make_plan
+    from rollart_hpc.cluster.supervise import run_world_outcome
     from rollart_hpc.config import write_resolved
     from rollart_hpc.contracts.atomic import atomic_write_json
     from rollart_hpc.controller.eval_main import REQUEST, RESULT
-    from rollart_hpc.entry.launcher import run_world_outcome
 
     run_dir = Path(args.run_dir).resolve()
     config = run_config(run_dir)

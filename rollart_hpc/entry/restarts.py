@@ -1,52 +1,27 @@
-"""`--max-restarts N` for `launch.py run` and `resume`: automatic local recovery from a failed world.
+"""`--max-restarts N` for `launch.py run` and `resume`, and the SLURM jobs' restart check.
 
-When a world ends because a rank failed or died (not Ctrl-C, a launcher signal or the launch timeout),
-the launcher starts the run again from its last complete checkpoint (the same path as `launch.py
-resume`: inputs checked first, then a new world whose controller resumes), up to N times. Each restart
-is appended to `run_dir/restarts.jsonl` (restart number, checkpoint step, cause, time; the file is
-rewritten atomically). When a failure repeats with the same cause at the same checkpoint step, the run
-cannot progress: the launcher stops with one line instead of spending the remaining restarts. Deaths
-without a word count as one cause whichever rank is named (`failure_kind`): a SIGKILL, an OOM kill or a
-lost node takes peers down within milliseconds, and which of them the launcher saw first is chance.
+The restart policy (which failure restarts a run, `restarts.jsonl`, the stop on a repeated failure) is
+`rollart_hpc/cluster/restarts.py`; this module binds it to the controller's checkpoints: whether a run
+can resume (`check_resumable_run`) and the step of its newest complete checkpoint (`checkpoint_step`).
 
-SLURM jobs (`cluster.max_restarts`) use the same rules through `python -m rollart_hpc.entry.restarts
-RUN_DIR STATUS MAX [--requeue]`, which the job scripts run after their srun step ended with STATUS != 0:
-exit 0 when the run is to start again (the restart is recorded first), else 1. The sbatch script then
-starts a new step in its allocation; a submitit job (`--requeue`) is requeued with `scontrol requeue`.
-There the count of restarts is the rows of `restarts.jsonl` (it outlives a requeue), and the repeated
-failure is the last row's cause at the same checkpoint step.
+SLURM jobs (`cluster.max_restarts`) run `python -m rollart_hpc.entry.restarts RUN_DIR STATUS MAX
+[--requeue]` after their srun step ended with STATUS != 0: exit 0 when the run is to start again (the
+restart is recorded first), else 1. The sbatch script then starts a new step in its allocation; a
+submitit job (`--requeue`) is requeued with `scontrol requeue`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from rollart_hpc.cluster import slurm
-from rollart_hpc.contracts.atomic import atomic_write_bytes
-from rollart_hpc.contracts.errors import UsageError
-from rollart_hpc.contracts.rundir import RunLayout, read_restarts
+from rollart_hpc.cluster.restarts import requeue_job, restart_after_failed_step
+from rollart_hpc.contracts.rundir import RunLayout
 
 if TYPE_CHECKING:
     from rollart_hpc.config.schema import Config
-
-RESTARTS = RunLayout.RESTARTS_NAME
-
-
-@dataclass(frozen=True)
-class WorldOutcome:
-    """How a world ended: the launcher's exit code and, when a rank failed or died, that named failure."""
-
-    code: int
-    cause: str | None  # e.g. "rank 2 (env) died without reporting an error"; None when no rank failed
-    stopped_by_launcher: bool  # Ctrl-C, SIGTERM/SIGHUP or the launch timeout: not a rank's failure
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
@@ -56,12 +31,6 @@ def add_argument(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="restart a failed run from its last complete checkpoint up to N times (default 0)",
     )
-
-
-def checked_count(value: int) -> int:
-    if value < 0:
-        raise UsageError(f"--max-restarts must be >= 0, got {value}")
-    return value
 
 
 def check_resumable_run(run_dir: Path, config: Config) -> None:
@@ -91,103 +60,6 @@ def checkpoint_step(run_dir: Path) -> int:
     return int(path.name.split("-")[1]) if path is not None else 0
 
 
-def record_restart(run_dir: Path, step: int, cause: str) -> dict[str, Any]:
-    rows = read_restarts(run_dir)
-    row = {"restart": len(rows) + 1, "step": step, "cause": cause, "time": time.time()}
-    text = "".join(json.dumps(r) + "\n" for r in [*rows, row])
-    atomic_write_bytes(run_dir / RESTARTS, text.encode())
-    return row
-
-
-SILENT_DEATH = "died without reporting an error"
-
-
-def failure_kind(cause: str) -> str:
-    """What makes two failures 'the same': a reported error with its rank and the first line of its
-    message (later lines may carry timestamps and addresses, e.g. HDF5's error stack); for a death
-    without a word only that (which rank of a world torn down at once is named first is timing)."""
-    return SILENT_DEATH if cause.endswith(SILENT_DEATH) else cause.strip().split("\n", 1)[0]
-
-
-def run_with_restarts(
-    run_dir: Path,
-    run_world: Callable[[], WorldOutcome],
-    max_restarts: int,
-    before_restart: Callable[[], None],
-) -> int:
-    """Run the world; after a rank's failure restart it (calling `before_restart` first) up to
-    `max_restarts` times, unless the same failure repeats at the same checkpoint step."""
-    outcome = run_world()
-    previous: tuple[str, int] | None = None
-    for restart in range(1, max_restarts + 1):
-        if outcome.code == 0 or outcome.stopped_by_launcher or outcome.cause is None:
-            break
-        before_restart()  # first: it discards a damaged newest checkpoint, which changes `step`
-        step = checkpoint_step(run_dir)
-        if previous == (failure_kind(outcome.cause), step):
-            print(
-                f"error: not restarting: the same failure repeated at step {step}: {outcome.cause}",
-                file=sys.stderr,
-            )
-            break
-        previous = (failure_kind(outcome.cause), step)
-        record_restart(run_dir, step, outcome.cause)
-        print(f"restart {restart}/{max_restarts} from step {step} after: {outcome.cause}", flush=True)
-        outcome = run_world()
-    else:
-        if max_restarts and outcome.code != 0 and not outcome.stopped_by_launcher:
-            print(
-                f"error: giving up after {max_restarts} restarts (see {run_dir / RESTARTS})", file=sys.stderr
-            )
-    return outcome.code
-
-
-def step_failure_cause(run_dir: Path, status: int) -> str:
-    """The first failure a rank reported (failures/), else the srun step's exit status."""
-    reports = [json.loads(p.read_text()) for p in RunLayout(run_dir).failures.glob("rank-*.json")]
-    if reports:
-        first = min(reports, key=lambda f: f["time"])
-        return f"rank {first['rank']} ({first['role']}) failed: {first['message']}"
-    return f"the srun step exited with status {status} (a rank was killed or crashed)"
-
-
-def restart_after_failed_step(run_dir: Path, status: int, max_restarts: int) -> bool:
-    """A SLURM job's step ended with `status` != 0: True (the restart recorded) when the run should start
-    again from its last checkpoint: not finished, restarts left, its inputs check out (damaged checkpoints
-    are discarded) and not the same failure as the last restart at the same checkpoint step."""
-    from rollart_hpc.config import read_resolved
-
-    rows = read_restarts(run_dir)
-    cause = step_failure_cause(run_dir, status)
-    if RunLayout(run_dir).summary.exists() or len(rows) >= max_restarts:
-        print(f"[slurm] not restarting: {len(rows)} of {max_restarts} restarts used ({cause})", flush=True)
-        return False
-    try:
-        check_resumable_run(run_dir, read_resolved(run_dir))
-    except UsageError as exc:
-        print(f"[slurm] not restarting: {exc}", flush=True)
-        return False
-    step = checkpoint_step(run_dir)
-    if rows and (failure_kind(rows[-1]["cause"]), rows[-1]["step"]) == (failure_kind(cause), step):
-        print(f"[slurm] not restarting: the same failure repeated at step {step}: {cause}", flush=True)
-        return False
-    row = record_restart(run_dir, step, cause)
-    if RunLayout(run_dir).failures.exists():
-        shutil.rmtree(RunLayout(run_dir).failures)  # this attempt's reports are not the next one's
-    print(f"[slurm] restart {row['restart']}/{max_restarts} from step {step} after: {cause}", flush=True)
-    return True
-
-
-def requeue_job() -> None:
-    """`scontrol requeue` this SLURM job (same job id; it resumes from the run's last checkpoint)."""
-    from rollart_hpc.cluster.env import read_process_env
-
-    job_id = read_process_env().slurm_job_id
-    if job_id is None:
-        raise UsageError("--requeue outside a SLURM job")
-    slurm.requeue(job_id)
-
-
 def job_script_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m rollart_hpc.entry.restarts")
     parser.add_argument("run_dir", type=Path)
@@ -195,7 +67,9 @@ def job_script_main(argv: list[str]) -> int:
     parser.add_argument("max_restarts", type=int)
     parser.add_argument("--requeue", action="store_true", help="requeue the job instead (submitit)")
     args = parser.parse_args(argv)
-    if args.status == 0 or not restart_after_failed_step(args.run_dir, args.status, args.max_restarts):
+    if args.status == 0 or not restart_after_failed_step(
+        args.run_dir, args.status, args.max_restarts, check_resumable_run, checkpoint_step
+    ):
         return 1
     if args.requeue:
         requeue_job()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rollart_hpc.cluster.restarts import checked_count, run_with_restarts
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.entry import restarts
@@ -50,13 +51,13 @@ def _relayout(run_dir: Path, overrides: list[str]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from rollart_hpc.cluster.plan import make_plan
+    from rollart_hpc.cluster.supervise import run_world_outcome
     from rollart_hpc.config import read_resolved
     from rollart_hpc.config.resolve import RESOLVED_NAME
     from rollart_hpc.controller.checkpoint import latest
-    from rollart_hpc.entry.launcher import run_world_outcome
 
     run_dir = Path(args.run_dir).resolve()
-    max_restarts = restarts.checked_count(args.max_restarts)
+    max_restarts = checked_count(args.max_restarts)
     if not (run_dir / RESOLVED_NAME).exists():
         raise UsageError(f"{run_dir} is not a run directory (no {RESOLVED_NAME})")
     if RunLayout(run_dir).summary.exists():
@@ -71,9 +72,10 @@ def main(args: argparse.Namespace) -> int:
     checkpoint = latest(run_dir)
     where = f"checkpoint {checkpoint.name}" if checkpoint else "the start (no checkpoint yet)"
     print(f"resuming {run_dir} from {where}\n{plan.table()}", flush=True)
-    return restarts.run_with_restarts(
+    return run_with_restarts(
         run_dir,
         lambda: run_world_outcome(run_dir, plan.world_size, config.cluster.launch_timeout_s),
         max_restarts,
         lambda: restarts.check_resumable_run(run_dir, config),
+        restarts.checkpoint_step,
     )

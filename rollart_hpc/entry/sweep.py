@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rollart_hpc.cluster.restarts import checked_count
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.entry import restarts
 from rollart_hpc.sweep.array import ArrayOptions
@@ -77,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_options(args: argparse.Namespace) -> None:
-    restarts.checked_count(args.max_restarts)
+    checked_count(args.max_restarts)
     if args.parallel < 1:
         raise UsageError(f"--parallel must be >= 1, got {args.parallel}")
     if args.time_min < 1 or args.max_requeues < 0 or args.nodes < 1:
