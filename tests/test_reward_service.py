@@ -137,7 +137,10 @@ def test_service_token_file_is_private_and_scores_for_two_clients(tmp_path: Path
                 asyncio.gather(*(b.score(calc_math_traj(i, right=False)) for i in range(5))),
             )
             a.close(), b.close()
-            await asyncio.sleep(0.6)  # idle past idle_shutdown_s
+            deadline = time.monotonic() + 30  # idle past idle_shutdown_s: the pool lets its worker go
+            while service.stats()["pool"]["workers_now"]:  # type: ignore[index]
+                assert time.monotonic() < deadline, "the idle pool kept its worker"
+                await asyncio.sleep(0.05)
             return list(ra), list(rb), service.stats()
 
     ra, rb, stats = asyncio.run(go())

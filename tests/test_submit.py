@@ -273,6 +273,7 @@ def test_submitit_nodes_must_divide_the_world(tmp_path: Path) -> None:
 # checkpoint), records that it ended, and exits with STOP_STATUS. Sleeps are short so the trap runs soon.
 STOPPING_STEP = """\
 trap 'printf "step got USR2\\n" >> "$RECORD"; sleep 1; printf "step ended\\n" >> "$RECORD"; exit $STOP_STATUS' USR2
+printf "step armed\\n" >> "$RECORD"
 for _ in $(seq 300); do sleep 0.05; done
 exit 9
 """
@@ -321,10 +322,9 @@ def _signal_once_step_runs(script: Path, record: Path, env: dict[str, str]) -> t
     """Start the script, send SIGUSR2 to the batch shell once the step runs; (exit status, stdout)."""
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 10
-    while not (record.exists() and "rollart_hpc.entry.worker" in record.read_text()):
+    while not (record.exists() and "step armed" in record.read_text()):  # the stub's trap is installed
         assert time.monotonic() < deadline, "the stub step did not start"
         time.sleep(0.05)
-    time.sleep(0.2)  # the stub has installed its trap
     proc.send_signal(signal.SIGUSR2)
     out, _ = proc.communicate(timeout=30)
     return proc.returncode, out
@@ -375,7 +375,7 @@ def test_usr2_is_forwarded_to_the_step_and_requeue_waits_for_it(tmp_path: Path) 
     status, out = _signal_once_step_runs(script, record, env)
     assert status == 0, out
     after_argv = record.read_text().split("rollart_hpc.entry.worker\n", 1)[1].splitlines()[1:]
-    assert after_argv == ["step got USR2", "step ended", "scontrol", "requeue", "77"]
+    assert after_argv == ["step armed", "step got USR2", "step ended", "scontrol", "requeue", "77"]
     assert "SIGUSR2 (preemption or time limit): forwarded to the step" in out
     assert "stopped at a checkpoint after SIGUSR2: requeue job 77 (restart 1 of 1)" in out
 
