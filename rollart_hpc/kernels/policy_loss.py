@@ -20,7 +20,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rollart_hpc.kernels.common import KernelLossConfig, KernelTuning, LossInputs, TokenForward, check_shapes
+from rollart_hpc.kernels.common import (
+    KernelLossConfig,
+    KernelTuning,
+    LossInputs,
+    TokenForward,
+    check_loss_inputs,
+    check_shapes,
+)
 from rollart_hpc.kernels.entropy import Reduce
 from rollart_hpc.kernels.token_loss import LossDiagnostics, TokenTerms, reduce_token_terms
 
@@ -206,6 +213,8 @@ def fused_token_terms(
     inputs = LossInputs(*(t.detach() for t in inputs))
     ops = get_ops(impl, hidden.device)
     tuning = tuning or KernelTuning()
+    check_shapes(hidden, weight, targets)  # the backends' `forward` takes checked inputs
+    check_loss_inputs(inputs, hidden.shape[0])
     with torch.no_grad():
         out: TokenForward = ops.forward(hidden, weight, targets, inputs, cfg, with_entropy, tuning)
     loss = _TokenLoss.apply(hidden, weight, out.loss, targets, out.lse, out.coef, ops, tuning)
