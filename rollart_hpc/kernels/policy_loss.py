@@ -171,19 +171,6 @@ def linear_logprob(
     return head_logprob(hidden, weight, targets, impl, tuning)[0]
 
 
-def linear_logprob_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    impl: str = "auto",
-    tuning: KernelTuning | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`linear_logprob` and the per-token softmax entropy [T] (detached), both from the same logit tiles
-    or chunks: the entropy costs no second pass over the head, but carries no gradient (for that:
-    `entropy.head_entropy`)."""
-    return head_logprob(hidden, weight, targets, impl, tuning, with_entropy=True)
-
-
 class FusedTokens(NamedTuple):
     """Per-token results [T] of the fused forward: SPO++ terms (`terms.loss` carries the gradient to hidden
     and weight; the rest is detached), log-probs (detached) and entropy (when asked for)."""
