@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from rollart_hpc.train.lm_head import head_logprobs, head_logprobs_entropy
+from rollart_hpc.train.lm_head import LMHead, head_logprobs, head_logprobs_entropy
 
 
 @pytest.mark.parametrize("padding", [0, 24], ids=["fused-kernel", "padded-head"])
@@ -19,7 +19,7 @@ def test_bf16_inputs_give_fp32_logprobs_accumulated_in_fp32(padding: int) -> Non
     hidden = torch.randn(tokens, hidden_size, generator=gen).bfloat16().requires_grad_(True)
     weight = (torch.randn(vocab + padding, hidden_size, generator=gen) * 0.2).bfloat16().requires_grad_(True)
     targets = torch.randint(0, vocab, (tokens,), generator=gen)
-    lp = head_logprobs(hidden, weight, targets, vocab, tp_size=1, timeout_s=5.0)
+    lp = head_logprobs(LMHead(vocab, tp_size=1, timeout_s=5.0), hidden, weight, targets)
     assert lp.dtype == torch.float32
     # The exact log-probs of the same bf16 values; a bf16 product would be off by ~1e-2 at this width.
     h64, w64 = hidden.detach().double(), weight.detach().double()[:vocab]
@@ -41,7 +41,7 @@ def _logprobs_and_grads(
     impl: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    lp = head_logprobs(h, w, targets, vocab, tp_size=1, timeout_s=5.0, impl=impl)
+    lp = head_logprobs(LMHead(vocab, tp_size=1, timeout_s=5.0, impl=impl), h, w, targets)
     (lp * torch.linspace(-1, 1, lp.shape[0])).sum().backward()
     assert h.grad is not None and w.grad is not None
     return lp.detach(), h.grad, w.grad
@@ -95,10 +95,10 @@ def test_auto_picks_the_kernel_when_asked_and_torch_on_cpu(monkeypatch: pytest.M
     monkeypatch.setattr(triton_ops, "shard_partials", spy)
     hidden, weight = torch.randn(5, 16), torch.randn(24, 16)
     targets = torch.tensor([0, 3, 19, 7, 1])
-    head_logprobs(hidden, weight, targets, 20, tp_size=1, timeout_s=5.0)
+    head_logprobs(LMHead(20, tp_size=1, timeout_s=5.0), hidden, weight, targets)
     assert calls == []
     monkeypatch.setenv("ROLLART_KERNEL_IMPL", "triton")
-    head_logprobs(hidden, weight, targets, 20, tp_size=1, timeout_s=5.0)
+    head_logprobs(LMHead(20, tp_size=1, timeout_s=5.0), hidden, weight, targets)
     assert calls == [1]
 
 
@@ -121,7 +121,7 @@ def test_entropy_from_the_logprob_pass_is_the_exact_entropy_and_leaves_the_logpr
     logits = hidden.double() @ weight.double()[:vocab].T
     want = -(torch.softmax(logits, 1) * torch.log_softmax(logits, 1)).sum(1)
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    lp, entropy = head_logprobs_entropy(h, w, targets, vocab, tp_size=1, timeout_s=5.0, impl=impl)
+    lp, entropy = head_logprobs_entropy(LMHead(vocab, tp_size=1, timeout_s=5.0, impl=impl), h, w, targets)
     assert entropy.dtype == torch.float32 and not entropy.requires_grad
     assert float((entropy.double() - want).abs().max()) < 1e-5
     (lp * torch.linspace(-1, 1, tokens)).sum().backward()
@@ -149,7 +149,7 @@ def test_gpu_padded_qwen_shard_kernel_matches_torch() -> None:
     results = {}
     for impl in ("auto", "torch"):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        lp = head_logprobs(h, w, targets, real, tp_size=1, timeout_s=60.0, impl=impl)
+        lp = head_logprobs(LMHead(real, tp_size=1, timeout_s=60.0, impl=impl), h, w, targets)
         (lp * upstream).sum().backward()
         assert h.grad is not None and w.grad is not None
         results[impl] = (lp.detach(), h.grad, w.grad)

@@ -49,7 +49,7 @@ def _worker(out: str, store: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from rollart_hpc.train.lm_head import head_logprobs_entropy
+    from rollart_hpc.train.lm_head import LMHead, head_logprobs_entropy
     from rollart_hpc.train.megatron_compat import apply_cpu_patches
 
     apply_cpu_patches()  # the sequence-parallel gather allocates on torch.cuda.current_device()
@@ -73,9 +73,8 @@ def _worker(out: str, store: str) -> None:
                     hidden = tensor_parallel.gather_from_sequence_parallel_region(
                         leaf, tensor_parallel_output_grad=True
                     )
-                lp, entropy = head_logprobs_entropy(
-                    hidden, weight, targets, VOCAB, TP, 60.0, copy_to_tp=mode == "copy_to_tp", impl=impl
-                )
+                head = LMHead(VOCAB, TP, 60.0, copy_to_tp=mode == "copy_to_tp", impl=impl)
+                lp, entropy = head_logprobs_entropy(head, hidden, weight, targets)
                 (lp * upstream).sum().backward()
                 assert leaf.grad is not None and weight.grad is not None
                 result[f"{name}/{mode}/{impl}"] = (lp.detach(), leaf.grad, weight.grad, entropy)

@@ -196,11 +196,11 @@ def _inputs(spec: dict[str, Any], rows: int, tokens: int) -> tuple[Any, Any]:
 
 def _step(model: Any, ids: Any, targets: Any, vocab: int) -> float:
     """Forward, fused LM-head log-probs, mean NLL, backward; the loss."""
-    from rollart_hpc.train.lm_head import head_logprobs
+    from rollart_hpc.train.lm_head import LMHead, head_logprobs
 
     hidden = model(ids, None, None)  # [s, b, H]
     flat = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])
-    logp = head_logprobs(flat, model.shared_embedding_or_output_weight(), targets, vocab, 1, 600.0)
+    logp = head_logprobs(LMHead(vocab, 1, 600.0), flat, model.shared_embedding_or_output_weight(), targets)
     loss = -logp.mean()
     loss.backward()
     return float(loss.detach())

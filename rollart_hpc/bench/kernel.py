@@ -318,7 +318,7 @@ def _trainer_inputs(spec: dict[str, Any], seed: int) -> dict[str, Any]:
 
 def _trainer_step(data: dict[str, Any], impl: str) -> Callable[[], tuple[Any, ...]]:
     from rollart_hpc.algo.loss import LossConfig, policy_loss
-    from rollart_hpc.train.lm_head import token_logprobs
+    from rollart_hpc.train.lm_head import LMHead, token_logprobs
 
     batch = data["batch"]
     denom = int(batch.action_mask.sum())
@@ -326,7 +326,7 @@ def _trainer_step(data: dict[str, Any], impl: str) -> Callable[[], tuple[Any, ..
     def step() -> tuple[Any, ...]:
         hidden = data["hidden"].detach().requires_grad_(True)
         weight = data["weight"].detach().requires_grad_(True)
-        lp = token_logprobs(impl, hidden, weight, data["targets"], weight.shape[0], 1, 600.0)
+        lp = token_logprobs(impl, LMHead(weight.shape[0], 1, 600.0), hidden, weight, data["targets"])
         loss, _ = policy_loss(lp, batch, LossConfig(), denom)
         loss.backward()
         return loss.detach(), lp.detach(), hidden.grad, weight.grad

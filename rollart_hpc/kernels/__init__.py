@@ -21,7 +21,6 @@ EXPORTS = {
     "fused_token_terms": "policy_loss",
     "head_logprob": "policy_loss",
     "linear_logprob": "policy_loss",
-    "linear_logprob_entropy": "policy_loss",
     "resolve_impl": "policy_loss",
     "KernelLossConfig": "common",
     "KernelTuning": "common",

@@ -1,7 +1,8 @@
 """Types shared by the fused LM-head log-prob kernels and their torch reference.
 
 Both implementations (`lm_head_triton`, `lm_head_reference`) expose the same two operations on packed
-tokens, so the autograd functions in `policy_loss` are written once:
+tokens, so the autograd functions in `policy_loss` are written once (and check the inputs once, with
+`check_shapes` and `check_loss_inputs`, before calling either):
 
     forward(hidden [T, H], weight [V, H], targets [T], inputs, cfg, with_entropy, tuning) -> TokenForward
     grads(hidden, weight, targets, lse [T], g [T], tuning) -> (d hidden [T, H], d weight [V, H])

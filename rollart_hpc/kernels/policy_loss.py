@@ -20,7 +20,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rollart_hpc.kernels.common import KernelLossConfig, KernelTuning, LossInputs, TokenForward, check_shapes
+from rollart_hpc.kernels.common import (
+    KernelLossConfig,
+    KernelTuning,
+    LossInputs,
+    TokenForward,
+    check_loss_inputs,
+    check_shapes,
+)
 from rollart_hpc.kernels.entropy import Reduce
 from rollart_hpc.kernels.token_loss import LossDiagnostics, TokenTerms, reduce_token_terms
 
@@ -164,19 +171,6 @@ def linear_logprob(
     return head_logprob(hidden, weight, targets, impl, tuning)[0]
 
 
-def linear_logprob_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    impl: str = "auto",
-    tuning: KernelTuning | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`linear_logprob` and the per-token softmax entropy [T] (detached), both from the same logit tiles
-    or chunks: the entropy costs no second pass over the head, but carries no gradient (for that:
-    `entropy.head_entropy`)."""
-    return head_logprob(hidden, weight, targets, impl, tuning, with_entropy=True)
-
-
 class FusedTokens(NamedTuple):
     """Per-token results [T] of the fused forward: SPO++ terms (`terms.loss` carries the gradient to hidden
     and weight; the rest is detached), log-probs (detached) and entropy (when asked for)."""
@@ -206,6 +200,8 @@ def fused_token_terms(
     inputs = LossInputs(*(t.detach() for t in inputs))
     ops = get_ops(impl, hidden.device)
     tuning = tuning or KernelTuning()
+    check_shapes(hidden, weight, targets)  # the backends' `forward` takes checked inputs
+    check_loss_inputs(inputs, hidden.shape[0])
     with torch.no_grad():
         out: TokenForward = ops.forward(hidden, weight, targets, inputs, cfg, with_entropy, tuning)
     loss = _TokenLoss.apply(hidden, weight, out.loss, targets, out.lse, out.coef, ops, tuning)

@@ -1,7 +1,7 @@
 """Per-token log-probs of the LM head from the last hidden states, never the [tokens, vocab] logits.
 
-`head_logprobs(hidden [N, H], weight [V/TP, H], targets [N], vocab_size, ...)` returns log p(target) [N],
-with gradients to the hidden states and the weight shard. The head may hold padding rows past
+`head_logprobs(LMHead(vocab_size, tp_size, timeout_s), hidden [N, H], weight [V/TP, H], targets [N])`
+returns log p(target) [N], with gradients to the hidden states and the weight shard. The head may hold padding rows past
 `vocab_size` (`convert.padded_vocab_size`); their logits are masked out. Both that and the
 vocabulary-parallel head (rank r holds rows [r V/TP, (r+1) V/TP)) go through the kernels' `head_logprob`:
 each rank's log-sum-exp and target logit over its shard are combined over the TP group (max, then sum of
@@ -27,6 +27,7 @@ are fp32 and the gradients return in the inputs' dtype.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,71 +54,68 @@ def _reducer(group: Any, what: str, timeout_s: float) -> Callable[[torch.Tensor,
     return reduce
 
 
-def head_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    vocab_size: int,
-    tp_size: int,
-    timeout_s: float,
-    copy_to_tp: bool = True,
-    impl: str = "auto",
-) -> torch.Tensor:
-    """log p(target) [N] (fp32) of hidden [N, H] under the (vocabulary-parallel, padded) head `weight`.
+@dataclass(frozen=True)
+class LMHead:
+    """The fixed arguments of the (vocabulary-parallel, padded) LM head, built once by its caller.
 
-    copy_to_tp=False: the caller's hidden states already sum their gradient over the TP group (they come
-    from a sequence-parallel gather). impl: auto | triton | torch (see the module docstring)."""
-    lp, _ = _head(hidden, weight, targets, vocab_size, tp_size, timeout_s, copy_to_tp, impl, False)
-    return lp
+    vocab_size: the real rows (the head may hold padding past them); tp_size: the tensor-parallel degree;
+    timeout_s: of the all-reduces over the TP group. copy_to_tp=False: the caller's hidden states already
+    sum their gradient over the TP group (they come from a sequence-parallel gather). impl: auto | triton |
+    torch, the kernels' implementation (see the module docstring)."""
+
+    vocab_size: int
+    tp_size: int
+    timeout_s: float
+    copy_to_tp: bool = True
+    impl: str = "auto"
+
+    def tp_hidden(
+        self, hidden: torch.Tensor, what: str
+    ) -> tuple[torch.Tensor, int, Callable[[torch.Tensor, str], torch.Tensor] | None]:
+        """(the hidden states entering the TP region, this rank in the TP group, the kernels' `reduce`
+        over it, named `what` in errors; None at TP 1)."""
+        if self.tp_size == 1:
+            return hidden, 0, None
+        from megatron.core import parallel_state, tensor_parallel
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        if self.copy_to_tp:
+            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+        return hidden, dist.get_rank(group), _reducer(group, what, self.timeout_s)
+
+
+def head_logprobs(
+    head: LMHead, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """log p(target) [N] (fp32) of hidden [N, H] under the (vocabulary-parallel, padded) head `weight`."""
+    return _head(head, hidden, weight, targets, False)[0]
 
 
 def head_logprobs_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    vocab_size: int,
-    tp_size: int,
-    timeout_s: float,
-    copy_to_tp: bool = True,
-    impl: str = "auto",
+    head: LMHead, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`head_logprobs` and the policy's entropy [N] (fp32, detached) from the same logit tiles or chunks:
     no second pass over the head (under TP one more all-reduce of [N]). The entropy carries no gradient;
     `token_entropy` is the differentiable one."""
-    lp, entropy = _head(hidden, weight, targets, vocab_size, tp_size, timeout_s, copy_to_tp, impl, True)
+    lp, entropy = _head(head, hidden, weight, targets, True)
     assert entropy is not None
     return lp, entropy
 
 
 def _head(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    vocab_size: int,
-    tp_size: int,
-    timeout_s: float,
-    copy_to_tp: bool,
-    impl: str,
-    with_entropy: bool,
+    head: LMHead, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     from rollart_hpc.kernels.policy_loss import head_logprob, resolve_impl
 
-    impl = "triton" if resolve_impl(impl, hidden.device) == "triton" else "torch"
-    if tp_size == 1 and weight.shape[0] == vocab_size:
+    impl = "triton" if resolve_impl(head.impl, hidden.device) == "triton" else "torch"
+    if head.tp_size == 1 and weight.shape[0] == head.vocab_size:
         # The torch reference holds one chunk of logits at a time: the same budget as the path below.
-        tuning = None if hidden.is_cuda else KernelTuning(token_chunk=_chunk(vocab_size))
+        tuning = None if hidden.is_cuda else KernelTuning(token_chunk=_chunk(head.vocab_size))
         lp, ent = head_logprob(hidden, weight, targets, impl, tuning, with_entropy)
         return lp.float(), ent.float() if with_entropy else None
-    rank, reduce = 0, None
-    if tp_size > 1:
-        from megatron.core import parallel_state, tensor_parallel
-
-        group = parallel_state.get_tensor_model_parallel_group()
-        rank, reduce = dist.get_rank(group), _reducer(group, "log-prob", timeout_s)
-        if copy_to_tp:
-            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+    hidden, rank, reduce = head.tp_hidden(hidden, "log-prob")
     vocab = weight.shape[0]
-    real = max(0, min(vocab, vocab_size - rank * vocab))  # this shard's rows that are not padding
+    real = max(0, min(vocab, head.vocab_size - rank * vocab))  # this shard's rows that are not padding
     local = targets - rank * vocab
     local = torch.where((local >= 0) & (local < vocab), local, -1)  # -1: another shard's target
     # The torch reference holds one chunk of logits at a time: `LOGITS_BUDGET_ELEMENTS`.
@@ -127,49 +125,34 @@ def _head(
 
 
 def token_logprobs(
-    impl: str,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    vocab_size: int,
-    tp_size: int,
-    timeout_s: float,
-    copy_to_tp: bool = True,
+    impl: str, head: LMHead, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
     """The trainer's log p(target) [N] from the last hidden states [N, H] and the head shard [V/TP, H].
 
     impl "fused": `head_logprobs` (never [N, V] logits). "eager": the full (vocabulary-parallel)
     logits, padding columns masked, through Megatron's vocab-parallel cross-entropy, exactly what the
     model's own output layer and loss compute."""
-    lp, _ = token_logprobs_entropy(
-        impl, hidden, weight, targets, vocab_size, tp_size, timeout_s, copy_to_tp, False
-    )
-    return lp
+    return token_logprobs_entropy(impl, head, hidden, weight, targets, False)[0]
 
 
 def token_logprobs_entropy(
     impl: str,
+    head: LMHead,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    vocab_size: int,
-    tp_size: int,
-    timeout_s: float,
-    copy_to_tp: bool = True,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` and, `with_entropy` under impl "fused", the detached per-token entropy [N] from
     the same pass (`head_logprobs_entropy`); None otherwise ("eager" has no fused pass to share)."""
     if impl == "fused":
-        return _head(
-            hidden, weight, targets, vocab_size, tp_size, timeout_s, copy_to_tp, "auto", with_entropy
-        )
+        return _head(head, hidden, weight, targets, with_entropy)
     from megatron.core import parallel_state, tensor_parallel
 
-    if tp_size > 1 and copy_to_tp:
+    if head.tp_size > 1 and head.copy_to_tp:
         hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
     logits = mask_padding(
-        hidden.float() @ weight.float().T, vocab_size, parallel_state.get_tensor_model_parallel_rank()
+        hidden.float() @ weight.float().T, head.vocab_size, parallel_state.get_tensor_model_parallel_rank()
     )
     ce: torch.Tensor = tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
     return -ce, None
@@ -181,26 +164,12 @@ def mask_padding(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.T
     return mask_columns(logits, max(0, min(shard, vocab_size - tp_rank * shard)))
 
 
-def token_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    vocab_size: int,
-    tp_size: int,
-    timeout_s: float,
-    copy_to_tp: bool = True,
-) -> torch.Tensor:
+def token_entropy(head: LMHead, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The policy's entropy [N] (fp32) per token from the last hidden states [N, H] and the (vocabulary-
     parallel, padded) head shard, with its gradient (`rollart_hpc.kernels.entropy.head_entropy`: logits
     a chunk of tokens at a time, padding masked; under TP two sums and a max over the group)."""
     from rollart_hpc.kernels.entropy import head_entropy
 
-    rank, reduce = 0, None
-    if tp_size > 1:
-        from megatron.core import parallel_state, tensor_parallel
-
-        group = parallel_state.get_tensor_model_parallel_group()
-        rank, reduce = dist.get_rank(group), _reducer(group, "entropy", timeout_s)
-        if copy_to_tp:
-            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-    real = vocab_size - rank * weight.shape[0]
+    hidden, rank, reduce = head.tp_hidden(hidden, "entropy")
+    real = head.vocab_size - rank * weight.shape[0]
     return head_entropy(hidden, weight, real, reduce, _chunk(weight.shape[0])).float()

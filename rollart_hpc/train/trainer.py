@@ -52,7 +52,7 @@ from rollart_hpc.train.config import TrainerConfig
 from rollart_hpc.train.convert import from_stage, stage_layers, unit_entries, unit_to_hf
 from rollart_hpc.train.convert import hf_units as convert_units
 from rollart_hpc.train.gather import gather_hf_units
-from rollart_hpc.train.lm_head import token_entropy, token_logprobs_entropy
+from rollart_hpc.train.lm_head import LMHead, token_entropy, token_logprobs_entropy
 from rollart_hpc.train.model import Layout, ensure_model_parallel, gpt_from_hf
 
 HF_SHARD_BYTES = 2 << 30  # the largest safetensors file `save_hf` writes
@@ -101,6 +101,13 @@ class Trainer:
             cfg.recompute,
         )
         self.gpt.return_hidden = True  # the head runs in `lm_head.token_logprobs` (fused or eager)
+        # Sequence-parallel hidden states come from a gather whose backward already sums over the TP group.
+        self._head = LMHead(
+            self.model_config.vocab_size,
+            self.layout.tp_size,
+            cfg.collective_timeout_s,
+            copy_to_tp=not cfg.sequence_parallel,
+        )
         self.model, self.optimizer = parallel.wrap(self.gpt, cfg)
         self.model.train()
         self.step = 0
@@ -192,14 +199,7 @@ class Trainer:
         index = micro.rows.flat_index.to(self.device)[valid]
         action = micro.batch.action_mask.to(self.device)[index]
         with contextlib.nullcontext() if self._entropy_mode == "grad" else torch.no_grad():
-            ent = token_entropy(
-                hidden[action],
-                self._head_weight(),
-                self.model_config.vocab_size,
-                self.layout.tp_size,
-                self.cfg.collective_timeout_s,
-                copy_to_tp=not self.cfg.sequence_parallel,
-            )
+            ent = token_entropy(self._head, hidden[action], self._head_weight())
         flat = torch.zeros(micro.batch.num_tokens, dtype=torch.float32, device=self.device)
         return flat.index_put((index[action],), ent)
 
@@ -212,16 +212,9 @@ class Trainer:
         elsewhere) from the same pass, else None."""
         rows = micro.rows
         hidden, valid = self._packed_hidden(micro, output)
+        targets = rows.targets.to(self.device)[valid]
         lp, ent = token_logprobs_entropy(
-            self.cfg.loss_impl,
-            hidden,
-            self._head_weight(),
-            rows.targets.to(self.device)[valid],
-            self.model_config.vocab_size,
-            self.layout.tp_size,
-            self.cfg.collective_timeout_s,
-            copy_to_tp=not self.cfg.sequence_parallel,
-            with_entropy=with_entropy,
+            self.cfg.loss_impl, self._head, hidden, self._head_weight(), targets, with_entropy
         )
         index = rows.flat_index.to(self.device)[valid]
         flat = torch.zeros(micro.batch.num_tokens, dtype=torch.float32, device=self.device)
