@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
-from rollart_hpc.config.loader import doc_field
+from rollart_hpc.config.loader import check_bounds, doc_field
 from rollart_hpc.contracts.errors import UsageError
 
 DEFAULT_POOL = "default"
@@ -60,11 +60,8 @@ class RoleConfig:
     )
 
     def validate(self, path: str) -> None:
-        if self.num_ranks < 0:
-            raise UsageError(f"{path}.num_ranks: must be >= 0, got {self.num_ranks}")
-        for name in ("gpus_per_rank", "cpus_per_rank", "mem_gb", "ranks_per_node"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"{path}.{name}: must be >= 0, got {getattr(self, name)}")
+        counts = ("num_ranks", "gpus_per_rank", "cpus_per_rank", "mem_gb", "ranks_per_node")
+        check_bounds(self, path, **dict.fromkeys(counts, ">= 0"))
         if self.gpu_type and not SLURM_WORD.fullmatch(self.gpu_type):
             raise UsageError(f"{path}.gpu_type: {self.gpu_type!r} must be one word (letters, digits, _ . -)")
         if self.gpu_type and not self.gpus_per_rank:
