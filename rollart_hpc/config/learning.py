@@ -23,7 +23,7 @@ from rollart_hpc.config.choices import (
     Normalization,
     TrackerKind,
 )
-from rollart_hpc.config.loader import doc_field
+from rollart_hpc.config.loader import check_bounds, doc_field
 from rollart_hpc.contracts.errors import UsageError
 
 
@@ -257,10 +257,7 @@ class AlgoConfig:
             raise UsageError(
                 f"{path}.loss_agg_tokens: only loss_agg = 'seq_mean_token_sum_norm' uses it (> 0)"
             )
-        if self.entropy_coef < 0:
-            raise UsageError(f"{path}.entropy_coef: must be >= 0, got {self.entropy_coef}")
-        if self.kl_coef < 0:
-            raise UsageError(f"{path}.kl_coef: must be >= 0, got {self.kl_coef}")
+        check_bounds(self, path, entropy_coef=">= 0", kl_coef=">= 0")
         for key in ("kl_estimator", "kl_in"):
             if getattr(self, key) and not self.kl_coef:
                 raise UsageError(f"{path}.{key}: has no effect with {path}.kl_coef = 0; remove it")
@@ -280,8 +277,7 @@ def check_trainer_fields(settings: Any, path: str) -> None:
     """The rules on the fields the [trainer] section shares with the trainer's own settings
     (`rollart_hpc.train.config.TrainerConfig`, derived from the section by name): checked by both, stated
     once. `path` names the section in the one-line `UsageError`."""
-    if settings.micro_batch_tokens < 1:
-        raise UsageError(f"{path}.micro_batch_tokens: must be >= 1, got {settings.micro_batch_tokens}")
+    check_bounds(settings, path, micro_batch_tokens=">= 1")
     if settings.ppo_epochs < 1 or settings.num_minibatches < 1:
         raise UsageError(
             f"{path}: ppo_epochs and num_minibatches must be >= 1, got {settings.ppo_epochs}, "
@@ -392,8 +388,7 @@ class TrainingConfig:
                 f"{path}.bucket_mb must be > 0 and {path}.bucket_direct_mb 0 (off) or at least 64 bytes, "
                 f"got {self.bucket_mb:g}, {self.bucket_direct_mb:g}"
             )
-        if self.rl_lr_warmup_steps < 0:
-            raise UsageError(f"{path}.rl_lr_warmup_steps: must be >= 0, got {self.rl_lr_warmup_steps}")
+        check_bounds(self, path, rl_lr_warmup_steps=">= 0")
         check_trainer_fields(self, path)
 
     def validate_layout(self, path: str, num_ranks: int) -> None:

@@ -29,6 +29,20 @@ def doc_field(default: Any, doc: str) -> Any:
     return dataclasses.field(default=default, metadata={"doc": doc})
 
 
+_BELOW_BOUND = {">=": lambda value, limit: value < limit, ">": lambda value, limit: value <= limit}
+
+
+def check_bounds(settings: Any, path: str, **bounds: str) -> None:
+    """Each named field of `settings` must meet its lower bound, written '>= N' or '> N'; the first field
+    (in the order given) that does not is a one-line UsageError naming `path`.field, the bound and the
+    value."""
+    for name, bound in bounds.items():
+        op, limit = bound.split()
+        value = getattr(settings, name)
+        if _BELOW_BOUND[op](value, float(limit)):
+            raise UsageError(f"{path}.{name}: must be {bound}, got {value}")
+
+
 def build(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     """Build the dataclass `cls` from `data`, checking keys and types; `path` prefixes error names."""
     if not isinstance(data, Mapping):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
-from rollart_hpc.config.loader import doc_field
+from rollart_hpc.config.loader import check_bounds, doc_field
 from rollart_hpc.contracts.errors import UsageError
 
 DEFAULT_POOL = "default"
@@ -60,13 +60,10 @@ class RoleConfig:
     )
 
     def validate(self, path: str) -> None:
-        if self.num_ranks < 0:
-            raise UsageError(f"{path}.num_ranks: must be >= 0, got {self.num_ranks}")
-        for name in ("gpus_per_rank", "cpus_per_rank", "mem_gb", "ranks_per_node"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"{path}.{name}: must be >= 0, got {getattr(self, name)}")
-        if self.gpu_type and not SLURM_WORD.fullmatch(self.gpu_type):
-            raise UsageError(f"{path}.gpu_type: {self.gpu_type!r} must be one word (letters, digits, _ . -)")
+        counts = ("num_ranks", "gpus_per_rank", "cpus_per_rank", "mem_gb", "ranks_per_node")
+        check_bounds(self, path, **dict.fromkeys(counts, ">= 0"))
+        if self.gpu_type:
+            check_slurm_word(f"{path}.gpu_type", self.gpu_type)
         if self.gpu_type and not self.gpus_per_rank:
             raise UsageError(f"{path}.gpu_type: set, but {path}.gpus_per_rank is 0; remove it")
         if self.gpu_memory_gb < 0 or (self.gpu_memory_gb and not self.gpus_per_rank):
@@ -75,6 +72,12 @@ class RoleConfig:
             raise UsageError(f"{path}.constraint: {self.constraint!r} is not a SLURM feature expression")
         for line in self.sbatch_extra:
             check_sbatch_extra(f"{path}.sbatch_extra", line)
+
+
+def check_slurm_word(path: str, value: str) -> None:
+    """`value` goes into a SLURM option or a name as one word: letters, digits, _ . - only."""
+    if not SLURM_WORD.fullmatch(value):
+        raise UsageError(f"{path}: {value!r} must be one word (letters, digits, _ . -)")
 
 
 def check_sbatch_extra(path: str, line: str) -> None:
@@ -109,8 +112,7 @@ class RolloutPoolConfig(RoleConfig):
 
     def validate(self, path: str) -> None:
         super().validate(path)
-        if not SLURM_WORD.fullmatch(self.name):
-            raise UsageError(f"{path}.name: {self.name!r} must be one word (letters, digits, _ . -)")
+        check_slurm_word(f"{path}.name", self.name)
         if self.num_ranks < 1:
             raise UsageError(f"{path}.num_ranks: a pool needs >= 1 rank, got {self.num_ranks}")
         if self.num_slots < 0 or self.num_threads < 0:

@@ -22,7 +22,7 @@ from rollart_hpc.config.choices import (
     default_staleness,
 )
 from rollart_hpc.config.learning import AlgoConfig, TrainingConfig
-from rollart_hpc.config.loader import doc_field
+from rollart_hpc.config.loader import check_bounds, doc_field
 from rollart_hpc.config.roles import RENDERED_SBATCH_OPTIONS as RENDERED_SBATCH_OPTIONS
 from rollart_hpc.config.roles import RoleConfig as RoleConfig
 from rollart_hpc.config.roles import RolesConfig
@@ -154,16 +154,15 @@ class ClusterConfig:
     net: NetConfig = doc_field(NetConfig, "Network interfaces and NCCL settings of the ranks.")
 
     def validate(self, path: str) -> None:
-        if self.sigterm_grace_s < 0:
-            raise UsageError(f"{path}.sigterm_grace_s: must be >= 0, got {self.sigterm_grace_s}")
-        if self.max_restarts < 0:
-            raise UsageError(f"{path}.max_restarts: must be >= 0, got {self.max_restarts}")
-        if self.signal_lead_s <= 0:
-            raise UsageError(f"{path}.signal_lead_s: must be > 0, got {self.signal_lead_s}")
-        if self.peer_timeout_s <= 0:
-            raise UsageError(f"{path}.peer_timeout_s: must be > 0, got {self.peer_timeout_s}")
-        if self.launch_timeout_s < 0:
-            raise UsageError(f"{path}.launch_timeout_s: must be >= 0, got {self.launch_timeout_s}")
+        check_bounds(
+            self,
+            path,
+            sigterm_grace_s=">= 0",
+            max_restarts=">= 0",
+            signal_lead_s="> 0",
+            peer_timeout_s="> 0",
+            launch_timeout_s=">= 0",
+        )
 
 
 @dataclass(frozen=True)
@@ -311,10 +310,7 @@ class RolloutConfig:
                     )
         if self.batch_invariant and self.engine != "builtin":
             raise UsageError(f"{path}.batch_invariant: only the built-in engine has it, not {self.engine!r}")
-        if self.prefix_cache_slots < 0:
-            raise UsageError(f"{path}.prefix_cache_slots: must be >= 0, got {self.prefix_cache_slots}")
-        if self.max_engine_rebuilds < 0:
-            raise UsageError(f"{path}.max_engine_rebuilds: must be >= 0, got {self.max_engine_rebuilds}")
+        check_bounds(self, path, prefix_cache_slots=">= 0", max_engine_rebuilds=">= 0")
         if not 0.0 <= self.fault_step_prob < 1.0:
             raise UsageError(f"{path}.fault_step_prob: must be in [0, 1), got {self.fault_step_prob}")
         if self.num_faults < 0 or (self.num_faults > 0) != (self.fault_step_prob > 0):
@@ -433,8 +429,7 @@ class DatasetConfig:
             raise UsageError(f"{path}: prompt_field and answer_field must be non-empty")
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise UsageError(f"{path}.heldout_fraction: must be in [0, 1), got {self.heldout_fraction}")
-        if self.max_turns < 1:
-            raise UsageError(f"{path}.max_turns: must be >= 1, got {self.max_turns}")
+        check_bounds(self, path, max_turns=">= 1")
         if self.split_field and self.heldout_fraction:
             raise UsageError(f"{path}.heldout_fraction: set split_field or heldout_fraction, not both")
 
@@ -536,8 +531,7 @@ def check_reward_pool_fields(settings: Any, path: str) -> None:
     """The rules on the fields the [reward] section shares with the reward pool's own settings
     (`rollart_hpc.reward.pool.RewardPoolConfig`, derived from the section by name): checked by both,
     stated once."""
-    if settings.max_score_attempts < 1:
-        raise UsageError(f"{path}.max_score_attempts: must be >= 1, got {settings.max_score_attempts}")
+    check_bounds(settings, path, max_score_attempts=">= 1")
     if not 0.0 <= settings.fault_prob < 1.0:
         raise UsageError(f"{path}.fault_prob: must be in [0, 1), got {settings.fault_prob}")
     if settings.max_workers < 1 or settings.scale_up_queue < 1 or settings.idle_shutdown_s < 0:
