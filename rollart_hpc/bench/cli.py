@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 
-BENCHMARKS: dict[str, tuple[str, str]] = {
+from rollart_hpc.contracts.commands import Registry, add_subcommands, run_subcommand
+
+BENCHMARKS: Registry = {
     "engine": ("rollart_hpc.bench.engine", "built-in engine vs HF generate tokens/s (JSON)"),
     "kernel": ("rollart_hpc.bench.kernel", "fused LM-head log-prob + SPO++ loss vs eager (JSON)"),
     "weights": ("rollart_hpc.bench.weights", "weight sync: bucketed publish vs raw broadcast (JSON)"),
@@ -28,13 +29,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", required=True, metavar="NAME")
-    for name, (module_name, help_text) in BENCHMARKS.items():
-        module = importlib.import_module(module_name)
-        bench_parser = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(bench_parser)
-        bench_parser.set_defaults(_bench=module)
+    add_subcommands(parser, BENCHMARKS, dest="bench", metavar="NAME", module_attr="_bench")
 
 
 def main(args: argparse.Namespace) -> int:
-    return int(args._bench.main(args) or 0)
+    return run_subcommand(args, "_bench")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from rollart_hpc.chaos.trials import format_table, make_setup, run_trials
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.entry.options import add_config_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="TOML run config (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides (applied after the chaos defaults)")
+    add_config_arguments(parser, "dotted overrides (applied after the chaos defaults)")
     parser.add_argument("--trials", type=int, default=6, help="runs, one fault each (default 6)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the faults, ranks and times (default 0)")
     parser.add_argument("--json", required=True, help="write the table of trials here")

@@ -8,14 +8,14 @@ becomes a one-line message on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
+from rollart_hpc.contracts.commands import Registry, add_subcommands, run_subcommand
 from rollart_hpc.contracts.errors import UsageError
 
 # name -> (module, one-line help). Explicit; no import-time discovery.
-COMMANDS: dict[str, tuple[str, str]] = {
+COMMANDS: Registry = {
     "run": ("rollart_hpc.entry.launcher", "run a config locally as one MPI world (mpiexec)"),
     "resume": ("rollart_hpc.entry.resume", "restart a local run from its last checkpoint"),
     "eval": ("rollart_hpc.entry.evaluate", "evaluate a run's checkpoint on its tasks and held-out tasks"),
@@ -50,12 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="launch.py",
         description="rollart_hpc: asynchronous, disaggregated agentic RL on one box or SLURM",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(module_name)
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(sub_parser)
-        sub_parser.set_defaults(_module=module)
+    add_subcommands(parser, COMMANDS, dest="command", metavar="COMMAND", module_attr="_module")
     return parser
 
 
@@ -70,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         args.overrides = list(args.overrides) + extra
     try:
-        return int(args._module.main(args) or 0)
+        return run_subcommand(args, "_module")
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -9,20 +9,18 @@ session, every rank's process tracked, the failing rank and role named, nothing 
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
 
 from rollart_hpc.cluster.restarts import checked_count, run_with_restarts
 from rollart_hpc.cluster.supervise import check_inputs, run_world_outcome
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.rundir import RUN_OUTPUTS
 from rollart_hpc.entry import restarts
+from rollart_hpc.entry.options import add_config_arguments, add_run_dir_argument, resolve_run_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="TOML run config (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6")
-    parser.add_argument("--run-dir", help="run directory (default: runs/<run.name>-<timestamp>)")
+    add_config_arguments(parser, "dotted overrides, e.g. trainer.lr=1e-6")
+    add_run_dir_argument(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the resolved plan and exit")
     restarts.add_argument(parser)
 
@@ -41,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
         print(plan.table())
         print(placement_table(predict_local(plan)))
         return 0
-    run_dir = Path(args.run_dir or f"runs/{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir = resolve_run_dir(args, config.run.name)
     held = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
     if held:
         raise UsageError(f"run dir {run_dir} already holds a run ({', '.join(held)}); choose a new --run-dir")

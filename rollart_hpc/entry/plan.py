@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 
+from rollart_hpc.entry.options import add_config_arguments
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="TOML run config (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.tensor_parallel=2")
+    add_config_arguments(parser, "dotted overrides, e.g. trainer.tensor_parallel=2")
     parser.add_argument(
         "--memory", action="store_true", help="every rank's GPU memory by term; exit 2 when a rank cannot fit"
     )

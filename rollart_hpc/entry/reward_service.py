@@ -23,14 +23,18 @@ from typing import TYPE_CHECKING
 
 from rollart_hpc.cluster import slurm
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.entry.options import add_config_arguments
 
 if TYPE_CHECKING:
     from rollart_hpc.config.schema import RewardConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="TOML config whose [reward] section sets the pool and limits")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. reward.max_workers=4")
+    add_config_arguments(
+        parser,
+        "dotted overrides, e.g. reward.max_workers=4",
+        config_help="TOML config whose [reward] section sets the pool and limits",
+    )
     parser.add_argument("--run-dir", default="runs/reward-service", help="service dir: address, token, stats")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (a node name on SLURM)")
     parser.add_argument("--port", type=int, default=0, help="TCP port (default: a free one)")

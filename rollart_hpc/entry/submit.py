@@ -23,19 +23,18 @@ submitit: it requeues a preempted job at once, and the run resumes from its last
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rollart_hpc.cluster.jobs import job_spec
 from rollart_hpc.cluster.submission import JobRequest, check_own_code, requeue_after_stop, submit_job
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.entry.options import add_config_arguments, add_run_dir_argument, resolve_run_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="TOML run config (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. roles.trainer.partition=train")
-    parser.add_argument("--run-dir", help="run directory (default: runs/<run.name>-<timestamp>)")
+    add_config_arguments(parser, "dotted overrides, e.g. roles.trainer.partition=train")
+    add_run_dir_argument(parser)
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -90,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
     plan = make_plan(config.roles)
     check_options(args)
     check_own_code(config)
-    run_dir = Path(args.run_dir or f"runs/{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir = resolve_run_dir(args, config.run.name)
     check_run_dir(run_dir)
     spec = job_spec(config, run_dir, args.time_min, args.max_requeues)
     task = WorkerTask(str(spec.run_dir), spec.finish_marker, spec.max_requeues)

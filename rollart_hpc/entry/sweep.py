@@ -40,13 +40,14 @@ from pathlib import Path
 from rollart_hpc.cluster.restarts import checked_count
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.entry import restarts
+from rollart_hpc.entry.options import RUN_CONFIG_HELP
 from rollart_hpc.sweep.array import ArrayOptions
 from rollart_hpc.sweep.grid import SEED_KEY, check_shared_warm_start, parse_grid, parse_seeds
 from rollart_hpc.sweep.run import Sweep, run_sweep
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="TOML run config (see configs/)")
+    parser.add_argument("config", help=RUN_CONFIG_HELP)
     parser.add_argument(
         "--grid",
         action="append",
