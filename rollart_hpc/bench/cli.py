@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from rollart_hpc.contracts.commands import Registry, add_subcommands, run_subcommand
+from rollart_hpc.config.commands import Registry, add_subcommands, run_subcommand
 
 BENCHMARKS: Registry = {
     "engine": ("rollart_hpc.bench.engine", "built-in engine vs HF generate tokens/s (JSON)"),

@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from rollart_hpc.contracts.commands import Registry, add_subcommands, run_subcommand
+from rollart_hpc.config.commands import Registry, add_subcommands, run_subcommand
 from rollart_hpc.contracts.errors import UsageError
 
 # name -> (module, one-line help). Explicit; no import-time discovery.
