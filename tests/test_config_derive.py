@@ -17,6 +17,8 @@ from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.controller.core import CoreSettings
 from rollart_hpc.envs.faults import FaultConfig, LatencyConfig
 from rollart_hpc.envs.worker import EnvWorkerConfig
+from rollart_hpc.inference.engines import engine_dtype
+from rollart_hpc.inference.vllm_engine import VLLMSettings
 from rollart_hpc.reward.pool import RewardPoolConfig
 from rollart_hpc.reward.service import pool_config
 from rollart_hpc.tasks.agent_loop import AgentConfig
@@ -169,6 +171,22 @@ def test_controller_core_settings_equal_the_explicit_mapping(
         sampler_balance=a.sampler_balance,
     )
     assert CoreSettings.from_config(c, a) == want
+
+
+@pytest.mark.parametrize(("name", "overrides"), CASES)
+def test_vllm_engine_settings_equal_the_explicit_mapping(name: str, overrides: list[str]) -> None:
+    config = _load(name, overrides)
+    r, t = config.rollout, config.trainer
+    want = VLLMSettings(
+        num_slots=r.num_slots,
+        max_model_len=r.max_model_len,
+        tensor_parallel_size=r.tensor_parallel_size,
+        dtype=engine_dtype(r, t.precision),
+        gpu_memory_utilization=r.vllm.gpu_memory_utilization,
+        enforce_eager=True if r.vllm.enforce_eager else None,
+        staging_bytes=int(t.bucket_mb * 2**20),
+    )
+    assert VLLMSettings.from_config(r, t) == want
 
 
 def test_the_overridden_values_reach_the_components() -> None:
