@@ -171,11 +171,10 @@ def trainer(world: Any, args: argparse.Namespace, backend: str, model_dir: Path)
 
 
 def start_engine(model_dir: Path, args: argparse.Namespace, has_tokenizer: bool, share: float) -> Any:
-    from rollart_hpc.inference.vllm_engine import VLLMEngine
+    from rollart_hpc.inference.vllm_engine import VLLMEngine, VLLMSettings
 
     extra = {"gpu_memory_utilization": share, "skip_tokenizer_init": not has_tokenizer}
-    return VLLMEngine(
-        model_dir,
+    settings = VLLMSettings(
         num_slots=args.num_prompts,
         max_model_len=2048,
         dtype="bfloat16",
@@ -183,6 +182,7 @@ def start_engine(model_dir: Path, args: argparse.Namespace, has_tokenizer: bool,
         ignore_eos=True,
         engine_kwargs=extra,
     )
+    return VLLMEngine(model_dir, settings)
 
 
 def rollout(world: Any, args: argparse.Namespace, backend: str, model_dir: Path) -> dict[str, Any]:

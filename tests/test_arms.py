@@ -18,14 +18,14 @@ from rollart_hpc.config.schema import Config, ControllerConfig
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.records import EpisodeTicket
 from rollart_hpc.controller.batching import batch_advantages
-from rollart_hpc.controller.core import ControllerCore
+from rollart_hpc.controller.core import ControllerCore, CoreSettings
 
 TASKS = [f"t{i}" for i in range(6)]
 
 
 def make_core(algo: AlgoConfig, mode="async", batch=4, steps=4, seed=0, tasks=TASKS) -> ControllerCore:
     controller = ControllerConfig(mode=mode, batch_size=batch, num_steps=steps)
-    core = ControllerCore.from_config(controller, algo, tasks, seed)
+    core = ControllerCore.build(CoreSettings.from_config(controller, algo), tasks, seed)
     core.clock = lambda: 0.0
     return core
 

@@ -9,12 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from rollart_hpc.algo.tracker import SPORho
 from rollart_hpc.config.derive import derive
 from rollart_hpc.config.resolve import load_config
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.errors import UsageError
+from rollart_hpc.controller.core import CoreSettings
 from rollart_hpc.envs.faults import FaultConfig, LatencyConfig
 from rollart_hpc.envs.worker import EnvWorkerConfig
+from rollart_hpc.inference.engines import engine_dtype
+from rollart_hpc.inference.vllm_engine import VLLMSettings
 from rollart_hpc.reward.pool import RewardPoolConfig
 from rollart_hpc.reward.service import pool_config
 from rollart_hpc.tasks.agent_loop import AgentConfig
@@ -142,6 +146,47 @@ def test_reward_pool_settings_equal_the_explicit_mapping(name: str, overrides: l
         fault_seed=11,
     )
     assert got == want
+
+
+@pytest.mark.parametrize(("name", "overrides"), CASES)
+@pytest.mark.parametrize("arm", [[], ['algo.name="spo"'], ['algo.name="grpo"', "controller.max_staleness=2"]])
+def test_controller_core_settings_equal_the_explicit_mapping(
+    name: str, overrides: list[str], arm: list[str]
+) -> None:
+    config = _load(name, [*overrides, *arm])
+    c, a = config.controller, config.algo
+    want = CoreSettings(
+        batch_size=c.batch_size,
+        max_staleness=c.staleness,
+        mode=c.mode,
+        num_steps=c.num_steps,
+        rho=a.rho,
+        sampler_epsilon=a.sampler_epsilon,
+        max_in_flight_per_task=a.max_in_flight_per_task,
+        tracker_kind=a.tracker,
+        arrival_rho=SPORho(rho_min=a.arrival_rho_min, rho_max=a.arrival_rho_max),
+        drift_per_version=a.arrival_drift_per_version,
+        group_size=a.group_size if a.estimator == "group" else 0,
+        redundancy=c.redundancy,
+        sampler_balance=a.sampler_balance,
+    )
+    assert CoreSettings.from_config(c, a) == want
+
+
+@pytest.mark.parametrize(("name", "overrides"), CASES)
+def test_vllm_engine_settings_equal_the_explicit_mapping(name: str, overrides: list[str]) -> None:
+    config = _load(name, overrides)
+    r, t = config.rollout, config.trainer
+    want = VLLMSettings(
+        num_slots=r.num_slots,
+        max_model_len=r.max_model_len,
+        tensor_parallel_size=r.tensor_parallel_size,
+        dtype=engine_dtype(r, t.precision),
+        gpu_memory_utilization=r.vllm.gpu_memory_utilization,
+        enforce_eager=True if r.vllm.enforce_eager else None,
+        staging_bytes=int(t.bucket_mb * 2**20),
+    )
+    assert VLLMSettings.from_config(r, t) == want
 
 
 def test_the_overridden_values_reach_the_components() -> None:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from rollart_hpc.algo.sampler import TaskSampler
 from rollart_hpc.algo.tracker import EventTimeTracker
-from rollart_hpc.controller.core import ControllerCore
+from rollart_hpc.controller.core import ControllerCore, CoreSettings
 
 TASKS = [f"t{i}" for i in range(6)]
 
@@ -20,17 +20,10 @@ TASKS = [f"t{i}" for i in range(6)]
 def make_core(mode="async", s=1, batch=3, steps=4, cap=1, seed=0, redundancy=1.0):
     tracker = EventTimeTracker({t: (0.5, 0.5) for t in TASKS})
     sampler = TaskSampler(TASKS, tracker, max_in_flight_per_task=cap, seed=seed)
-    return ControllerCore(
-        batch_size=batch,
-        max_staleness=s,
-        mode=mode,
-        num_steps=steps,
-        tracker=tracker,
-        sampler=sampler,
-        seed=seed,
-        clock=lambda: 0.0,
-        redundancy=redundancy,
+    settings = CoreSettings(
+        batch_size=batch, max_staleness=s, mode=mode, num_steps=steps, redundancy=redundancy
     )
+    return ControllerCore(settings, tracker, sampler, seed=seed, clock=lambda: 0.0)
 
 
 def test_admission_bound_and_batch_barrier_sync():
@@ -187,7 +180,7 @@ def test_family_balance_groups_the_sampler_by_the_task_ids_family():
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
     ids = ["household/a", "calc_math/0001", "household/b", "calc_math/0002", "calc_math/0003"]
     config = load_config(tiny, ['algo.sampler_balance="family"'])
-    core = ControllerCore.from_config(config.controller, config.algo, ids, seed=0)
+    core = ControllerCore.build(CoreSettings.from_config(config.controller, config.algo), ids, seed=0)
     assert core.sampler.groups == ["household", "calc_math"]
     draws = Counter()
     for _ in range(3000):
@@ -195,14 +188,16 @@ def test_family_balance_groups_the_sampler_by_the_task_ids_family():
         draws[task.partition("/")[0]] += 1
         core.sampler.release(task)
     assert abs(draws["household"] - 1500) < 6 * (3000 * 0.25) ** 0.5  # 2 tasks get half, as 3 do
-    plain = ControllerCore.from_config(load_config(tiny).controller, load_config(tiny).algo, ids, seed=0)
+    plain_config = load_config(tiny)
+    plain = ControllerCore.build(
+        CoreSettings.from_config(plain_config.controller, plain_config.algo), ids, seed=0
+    )
     assert plain.sampler.groups == []
     with pytest.raises(UsageError, match=r"algo\.sampler_balance"):
         load_config(tiny, ['algo.sampler_balance="families"'])
     with pytest.raises(ValueError, match="unknown sampler balance 'x'"):
-        ControllerCore.build(
-            ids, batch_size=2, max_staleness=1, mode="async", num_steps=2, seed=0, sampler_balance="x"
-        )
+        settings = CoreSettings(batch_size=2, max_staleness=1, mode="async", num_steps=2, sampler_balance="x")
+        ControllerCore.build(settings, ids, seed=0)
 
 
 def test_bound_two_takes_no_newer_result_while_an_older_one_is_out():

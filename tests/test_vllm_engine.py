@@ -23,7 +23,7 @@ import engine_contract as contract  # noqa: E402
 
 from rollart_hpc.contracts.generation import RequestOutput, SamplingParams  # noqa: E402
 from rollart_hpc.inference.engine import LLMEngine  # noqa: E402
-from rollart_hpc.inference.vllm_engine import VLLMEngine  # noqa: E402
+from rollart_hpc.inference.vllm_engine import VLLMEngine, VLLMSettings  # noqa: E402
 from rollart_hpc.models.checkpoint import load_weights  # noqa: E402
 from rollart_hpc.models.config import load_config  # noqa: E402
 from rollart_hpc.models.tiny import make_tiny_model  # noqa: E402
@@ -62,7 +62,9 @@ def state(
     family, tied = request.param
     root = tmp_path_factory.mktemp("vllm-models")
     dirs = [_make(root, family, tied, seed) for seed in (3, 4)]
-    engine = VLLMEngine(dirs[0], num_slots=8, max_model_len=MAX_LEN, dtype="float32", ignore_eos=True)
+    engine = VLLMEngine(
+        dirs[0], VLLMSettings(num_slots=8, max_model_len=MAX_LEN, dtype="float32", ignore_eos=True)
+    )
     st = {"engine": engine, "dirs": dirs, "loaded": 0, "vocab": load_config(dirs[0]).vocab_size}
     yield st
     engine.close()

@@ -20,7 +20,7 @@ import engine_contract as contract  # noqa: E402
 
 from rollart_hpc.inference.api import Engine  # noqa: E402
 from rollart_hpc.inference.engine import LLMEngine  # noqa: E402
-from rollart_hpc.inference.vllm_engine import VLLMEngine  # noqa: E402
+from rollart_hpc.inference.vllm_engine import VLLMEngine, VLLMSettings  # noqa: E402
 from rollart_hpc.models.config import load_config  # noqa: E402
 from rollart_hpc.models.tiny import make_tiny_model  # noqa: E402
 
@@ -50,9 +50,8 @@ def _make(root: Path, family: str, tied: bool, seed: int) -> Path:
 
 
 def _vllm(model_dir: Path, version: int) -> Engine:
-    return VLLMEngine(
-        model_dir, num_slots=8, max_model_len=MAX_LEN, dtype="float32", version=version, ignore_eos=True
-    )
+    settings = VLLMSettings(num_slots=8, max_model_len=MAX_LEN, dtype="float32", ignore_eos=True)
+    return VLLMEngine(model_dir, settings, version=version)
 
 
 def _builtin(model_dir: Path, version: int) -> Engine:

@@ -18,9 +18,9 @@ import torch
 from rollart_hpc.config.loader import build
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.errors import UsageError
-from rollart_hpc.inference.engines import vllm_options
 from rollart_hpc.inference.vllm_engine import (
     VLLMEngineError,
+    VLLMSettings,
     engine_arg_values,
     sampled_logprobs,
     span_versions,
@@ -191,33 +191,30 @@ def test_vllm_engine_arguments_follow_the_rollout_and_trainer_sections() -> None
             "trainer": {"precision": "bf16", "bucket_mb": 2.0},
         },
     )  # fmt: skip
-    options = vllm_options(config.rollout, config.trainer)
-    assert options == {
-        "num_slots": 6, "max_model_len": 300, "tensor_parallel_size": 2, "dtype": "bfloat16",
-        "gpu_memory_utilization": 0.6, "enforce_eager": True, "staging_bytes": 2 << 20,
-    }  # fmt: skip
+    settings = VLLMSettings.from_config(config.rollout, config.trainer)
+    assert settings == VLLMSettings(
+        num_slots=6, max_model_len=300, tensor_parallel_size=2, dtype="bfloat16",
+        gpu_memory_utilization=0.6, enforce_eager=True, staging_bytes=2 << 20,
+    )  # fmt: skip
     fp32 = build(Config, {"rollout": {"engine": "vllm"}})
-    assert vllm_options(fp32.rollout, fp32.trainer)["dtype"] == "float32"
-    assert vllm_options(fp32.rollout, fp32.trainer)["enforce_eager"] is None
+    assert VLLMSettings.from_config(fp32.rollout, fp32.trainer).dtype == "float32"
+    assert VLLMSettings.from_config(fp32.rollout, fp32.trainer).enforce_eager is None
     pinned = build(
         Config,
         {"rollout": {"engine": "vllm", "vllm": {"dtype": "float32"}}, "trainer": {"precision": "bf16"}},
     )
-    assert vllm_options(pinned.rollout, pinned.trainer)["dtype"] == "float32"
+    assert VLLMSettings.from_config(pinned.rollout, pinned.trainer).dtype == "float32"
     keys = ("model", "seed", "enable_prefix_caching")
-    args = engine_arg_values(
-        Path("/m"), seed=3, enable_prefix_caching=True, extra={}, on_cpu=False, batched_tokens=8192,
-        **{k: v for k, v in options.items() if k != "staging_bytes"},
-    )  # fmt: skip
+    assert settings.enable_prefix_caching and not settings.engine_kwargs
+    args = engine_arg_values(Path("/m"), settings, 3, on_cpu=False, batched_tokens=8192)
     assert {k: args[k] for k in keys} == {"model": "/m", "seed": 3, "enable_prefix_caching": True}
     assert (args["dtype"], args["max_model_len"], args["max_num_seqs"], args["tensor_parallel_size"]) == (
         "bfloat16", 300, 6, 2,
     )  # fmt: skip
     assert (args["gpu_memory_utilization"], args["enforce_eager"]) == (0.6, True)
     assert args["logprobs_mode"] == "processed_logprobs"
-    graphs = engine_arg_values(
-        Path("/m"), 6, 300, "float32", 0, 1, True, None, 0.85, {}, on_cpu=False, batched_tokens=8192
-    )
+    plain = VLLMSettings(num_slots=6, max_model_len=300, dtype="float32", gpu_memory_utilization=0.85)
+    graphs = engine_arg_values(Path("/m"), plain, 0, on_cpu=False, batched_tokens=8192)
     assert graphs["enforce_eager"] is False
 
 
@@ -228,9 +225,8 @@ def test_vllm_engine_arguments_on_cpu_size_the_kv_cache_and_leave_gpu_memory_alo
         "vocab_size": 512, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
     }  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
-    args = engine_arg_values(
-        tmp_path, 4, 64, "float32", 0, 1, True, None, 0.85, {}, on_cpu=True, batched_tokens=32
-    )
+    settings = VLLMSettings(num_slots=4, max_model_len=64, dtype="float32", gpu_memory_utilization=0.85)
+    args = engine_arg_values(tmp_path, settings, 0, on_cpu=True, batched_tokens=32)
     assert "gpu_memory_utilization" not in args and args["enforce_eager"] is True
     assert args["kv_cache_memory_bytes"] == 64 << 20 and args["max_num_batched_tokens"] == 64
     assert args["enable_chunked_prefill"] is False

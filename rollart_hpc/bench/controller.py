@@ -34,7 +34,7 @@ from typing import Any
 
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.records import EpisodeTicket, Trajectory
-from rollart_hpc.controller.core import ControllerCore
+from rollart_hpc.controller.core import ControllerCore, CoreSettings
 
 GOAL_TRAJECTORIES_PER_S = 20_000.0
 GOAL_NUM_TASKS = (10_000, 100_000)  # the goal must hold at each; the headline is the first
@@ -59,15 +59,10 @@ def make_core(num_tasks: int, cap: int, batch: int, steps: int, seed: int) -> Co
     """An async core (staleness 1) over `num_tasks` synthetic task ids, built as the controller rank
     builds its own (`ControllerCore.build`)."""
     task_ids = [f"task{i:06d}" for i in range(num_tasks)]
-    return ControllerCore.build(
-        task_ids,
-        batch_size=batch,
-        max_staleness=1,
-        mode="async",
-        num_steps=steps,
-        seed=seed,
-        max_in_flight_per_task=cap,
+    settings = CoreSettings(
+        batch_size=batch, max_staleness=1, mode="async", num_steps=steps, max_in_flight_per_task=cap
     )
+    return ControllerCore.build(settings, task_ids, seed)
 
 
 class Results:

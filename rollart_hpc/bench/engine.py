@@ -233,16 +233,20 @@ def _vllm_engine(model_dir: Path, args: argparse.Namespace, num_prompts: int) ->
     """vLLM on the bench's prompts, its CPU worker bound to `--threads` cores (all cores without it)."""
     from transformers import AutoTokenizer
 
-    from rollart_hpc.inference.vllm_engine import VLLMEngine
+    from rollart_hpc.inference.vllm_engine import VLLMEngine, VLLMSettings
 
     if args.threads:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
     prompts = _prompts(AutoTokenizer.from_pretrained(model_dir), num_prompts)
     max_len = max(len(p) for p in prompts) + args.max_tokens + 1
-    return VLLMEngine(
-        model_dir, num_slots=args.batch, max_model_len=max_len, dtype=args.dtype,
-        enable_prefix_caching=False, ignore_eos=True,
-    )  # fmt: skip
+    settings = VLLMSettings(
+        num_slots=args.batch,
+        max_model_len=max_len,
+        dtype=args.dtype,
+        enable_prefix_caching=False,
+        ignore_eos=True,
+    )
+    return VLLMEngine(model_dir, settings)
 
 
 def bench(

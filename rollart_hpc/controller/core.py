@@ -46,6 +46,7 @@ from typing import Any
 from rollart_hpc.algo.sampler import TaskSampler
 from rollart_hpc.algo.tracker import EventTimeTracker, SPORho, SPOTracker, ValueTracker, jeffreys_prior
 from rollart_hpc.config.choices import MODE_STALENESS, Mode
+from rollart_hpc.config.derive import derive
 from rollart_hpc.config.learning import AlgoConfig
 from rollart_hpc.config.schema import ControllerConfig
 from rollart_hpc.contracts.ids import EpisodeId
@@ -87,24 +88,63 @@ class Group:
         return cls(str(data[0]), int(data[1]), [str(e) for e in data[2]], int(data[3]))
 
 
+@dataclass(frozen=True)
+class CoreSettings:
+    """What a `ControllerCore` is built with (`ControllerCore.build`), besides its task ids and seed: the
+    batch and staleness bound, the tracker ('event_time' with `rho`, or 'arrival' with `arrival_rho` and
+    `drift_per_version`), the sampler, group dispatch (`group_size` >= 2) and redundancy."""
+
+    batch_size: int
+    max_staleness: int
+    mode: Mode
+    num_steps: int
+    rho: float = 0.875
+    sampler_epsilon: float = 0.05
+    max_in_flight_per_task: int = 1
+    tracker_kind: str = "event_time"
+    arrival_rho: SPORho | None = None
+    drift_per_version: float = 0.0
+    group_size: int = 0
+    redundancy: float = 1.0
+    sampler_balance: str = "task"
+
+    @classmethod
+    def from_config(cls, controller: ControllerConfig, algo: AlgoConfig) -> CoreSettings:
+        """The run's core: batches and staleness of [controller], tracker and sampler of [algo]."""
+        return CORE_FROM_SECTIONS(
+            controller,
+            algo,
+            max_staleness=controller.staleness,
+            arrival_rho=SPORho(rho_min=algo.arrival_rho_min, rho_max=algo.arrival_rho_max),
+            group_size=algo.group_size if algo.estimator == "group" else 0,
+        )
+
+
+CORE_FROM_SECTIONS = derive(
+    CoreSettings,
+    ControllerConfig,
+    AlgoConfig,
+    rename={"tracker_kind": "tracker", "drift_per_version": "arrival_drift_per_version"},
+    given=("max_staleness", "arrival_rho", "group_size"),
+)
+"""The [controller] and [algo] fields of the same name; given: the staleness bound the mode resolves
+(-1 = the mode's own), SPO's rho bounds, and the group size (0 unless the estimator is 'group')."""
+
+
 class ControllerCore:
     """Admission, buffering and batch assembly for one run (see the module docstring)."""
 
     def __init__(
         self,
-        *,
-        batch_size: int,
-        max_staleness: int,
-        mode: Mode,
-        num_steps: int,
+        settings: CoreSettings,
         tracker: ValueTracker,
         sampler: TaskSampler,
+        *,
         seed: int = 0,
         clock: Callable[[], float] = time.time,
-        group_size: int = 0,
-        drift_per_version: float = 0.0,
-        redundancy: float = 1.0,
     ) -> None:
+        batch_size, max_staleness, mode = settings.batch_size, settings.max_staleness, settings.mode
+        group_size, redundancy = settings.group_size, settings.redundancy
         if mode in MODE_STALENESS and MODE_STALENESS[mode] != max_staleness:
             raise ValueError(
                 f"mode {mode!r} implies max_staleness {MODE_STALENESS[mode]}, got {max_staleness}"
@@ -118,7 +158,7 @@ class ControllerCore:
         self.batch_size, self.max_staleness, self.mode = batch_size, max_staleness, mode
         self.redundancy = Redundancy(batch_size, redundancy)
         self.last_drop_cause = ""
-        self.num_steps, self.seed = num_steps, seed
+        self.num_steps, self.seed = settings.num_steps, seed
         self.tracker, self.sampler, self.clock = tracker, sampler, clock
         self.version = 0  # trainer version: optimizer steps completed and published
         self.rollout_version = 0
@@ -136,86 +176,38 @@ class ControllerCore:
         self.groups: dict[str, Group] = {}  # group id -> group, dispatched and not yet trained or dropped
         self.open_group: str | None = None  # the group whose members are being dispatched
         self.next_group = 0
-        self.drift_per_version = drift_per_version  # arrival tracker: D per version since the last fold
+        self.drift_per_version = (
+            settings.drift_per_version
+        )  # arrival tracker: D per version since the last fold
         self.last_fold: dict[str, int] = {}  # arrival tracker: task id -> version at its last fold
 
     @classmethod
-    def build(
-        cls,
-        task_ids: Sequence[str],
-        *,
-        batch_size: int,
-        max_staleness: int,
-        mode: Mode,
-        num_steps: int,
-        seed: int,
-        rho: float = 0.875,
-        sampler_epsilon: float = 0.05,
-        max_in_flight_per_task: int = 1,
-        tracker_kind: str = "event_time",
-        arrival_rho: SPORho | None = None,
-        drift_per_version: float = 0.0,
-        group_size: int = 0,
-        redundancy: float = 1.0,
-        sampler_balance: str = "task",
-    ) -> ControllerCore:
+    def build(cls, settings: CoreSettings, task_ids: Sequence[str], seed: int) -> ControllerCore:
         """A core with a tracker (no offline outcomes: v = 0.5 per task): SPO++'s `EventTimeTracker`
         ('event_time') or SPO's `SPOTracker` ('arrival', rho from `arrival_rho`), and a `TaskSampler` over
         `task_ids`, both seeded from `seed` (`sampler_balance` 'family': the sampler's groups are the
         task ids' families, "family/rest"); `group_size` >= 2 turns on group dispatch."""
         priors = {t: jeffreys_prior([]) for t in task_ids}
         tracker: ValueTracker
-        if tracker_kind == "event_time":
-            tracker = EventTimeTracker(priors, rho=rho)
-        elif tracker_kind == "arrival":
-            tracker = SPOTracker(priors, rho=arrival_rho)
+        if settings.tracker_kind == "event_time":
+            tracker = EventTimeTracker(priors, rho=settings.rho)
+        elif settings.tracker_kind == "arrival":
+            tracker = SPOTracker(priors, rho=settings.arrival_rho)
         else:
-            raise ValueError(f"unknown tracker {tracker_kind!r}; known: event_time, arrival")
-        if sampler_balance not in ("task", "family"):
-            raise ValueError(f"unknown sampler balance {sampler_balance!r}; known: task, family")
-        families = [t.partition("/")[0] for t in task_ids] if sampler_balance == "family" else None
+            raise ValueError(f"unknown tracker {settings.tracker_kind!r}; known: event_time, arrival")
+        balance = settings.sampler_balance
+        if balance not in ("task", "family"):
+            raise ValueError(f"unknown sampler balance {balance!r}; known: task, family")
+        families = [t.partition("/")[0] for t in task_ids] if balance == "family" else None
         sampler = TaskSampler(
             list(task_ids),
             tracker,
-            epsilon=sampler_epsilon,
-            max_in_flight_per_task=max_in_flight_per_task,
+            epsilon=settings.sampler_epsilon,
+            max_in_flight_per_task=settings.max_in_flight_per_task,
             seed=seed,
             groups=families,
         )
-        return cls(
-            batch_size=batch_size,
-            max_staleness=max_staleness,
-            mode=mode,
-            num_steps=num_steps,
-            tracker=tracker,
-            sampler=sampler,
-            seed=seed,
-            group_size=group_size,
-            drift_per_version=drift_per_version,
-            redundancy=redundancy,
-        )
-
-    @classmethod
-    def from_config(
-        cls, controller: ControllerConfig, algo: AlgoConfig, task_ids: Sequence[str], seed: int
-    ) -> ControllerCore:
-        return cls.build(
-            task_ids,
-            batch_size=controller.batch_size,
-            max_staleness=controller.staleness,
-            mode=controller.mode,
-            num_steps=controller.num_steps,
-            seed=seed,
-            rho=algo.rho,
-            sampler_epsilon=algo.sampler_epsilon,
-            max_in_flight_per_task=algo.max_in_flight_per_task,
-            tracker_kind=algo.tracker,
-            arrival_rho=SPORho(rho_min=algo.arrival_rho_min, rho_max=algo.arrival_rho_max),
-            drift_per_version=algo.arrival_drift_per_version,
-            group_size=algo.group_size if algo.estimator == "group" else 0,
-            redundancy=controller.redundancy,
-            sampler_balance=algo.sampler_balance,
-        )
+        return cls(settings, tracker, sampler, seed=seed)
 
     # ---- dispatch -------------------------------------------------------------------------------
     def admission_limit(self) -> int:

@@ -25,7 +25,7 @@ from rollart_hpc.contracts.protocol import Tag
 from rollart_hpc.contracts.records import EpisodeTicket, RankStats, StepReport, Trajectory
 from rollart_hpc.contracts.rundir import RunLayout
 from rollart_hpc.controller.batching import batch_advantages, batch_stats, shard_batch
-from rollart_hpc.controller.core import ControllerCore
+from rollart_hpc.controller.core import ControllerCore, CoreSettings
 from rollart_hpc.controller.evaluation import Evaluator
 from rollart_hpc.metrics.run_metrics import MetricsWriter, eval_line, progress_line
 from rollart_hpc.metrics.trace import TraceWriter
@@ -45,7 +45,8 @@ class Controller:
 
         self.config, self.ctx = config, ctx
         task_ids = [t.id for t in tasks]
-        self.core = ControllerCore.from_config(config.controller, config.algo, task_ids, config.run.seed)
+        settings = CoreSettings.from_config(config.controller, config.algo)
+        self.core = ControllerCore.build(settings, task_ids, config.run.seed)
         self.store: TrajectoryStore = TrajectoryStore(RunLayout(ctx.run_dir).trajectories)
         c = config.controller
         heldout = heldout_tasks(config.envs) if c.eval_every_steps else []

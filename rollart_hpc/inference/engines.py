@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from rollart_hpc.config.learning import TrainingConfig
 from rollart_hpc.config.schema import RolloutConfig
@@ -44,29 +43,13 @@ def build_builtin(
     )
 
 
-def vllm_options(rollout: RolloutConfig, trainer: TrainingConfig) -> dict[str, Any]:
-    """The `VLLMEngine` keyword arguments of a run: its rollout section and [rollout.vllm] table; dtype
-    'auto' is the trainer's precision (the dtype of the published weights); weight updates are staged one
-    publication bucket (trainer.bucket_mb) at a time."""
-    vllm = rollout.vllm
-    return {
-        "num_slots": rollout.num_slots,
-        "max_model_len": rollout.max_model_len,
-        "tensor_parallel_size": rollout.tensor_parallel_size,
-        "dtype": engine_dtype(rollout, trainer.precision),
-        "gpu_memory_utilization": vllm.gpu_memory_utilization,
-        "enforce_eager": True if vllm.enforce_eager else None,  # None: eager on CPU, CUDA graphs on GPU
-        "staging_bytes": int(trainer.bucket_mb * 2**20),
-    }
-
-
 def build_vllm(
     rollout: RolloutConfig, trainer: TrainingConfig, model_dir: Path, version: int, seed: int
 ) -> Engine:
     """The vLLM adapter (`rollart_hpc.inference.vllm_engine.VLLMEngine`); imports vllm."""
-    from rollart_hpc.inference.vllm_engine import VLLMEngine
+    from rollart_hpc.inference.vllm_engine import VLLMEngine, VLLMSettings
 
-    return VLLMEngine(model_dir, version=version, seed=seed, **vllm_options(rollout, trainer))
+    return VLLMEngine(model_dir, VLLMSettings.from_config(rollout, trainer), version=version, seed=seed)
 
 
 ENGINES: dict[str, EngineBuilder] = {"builtin": build_builtin, "vllm": build_vllm}

@@ -45,16 +45,20 @@ import asyncio
 import os
 import queue
 import threading
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
+from rollart_hpc.config.derive import derive
+from rollart_hpc.config.learning import TrainingConfig
+from rollart_hpc.config.schema import RolloutConfig, VllmConfig
 from rollart_hpc.contracts.generation import FinishReason, RequestOutput, SamplingParams
 from rollart_hpc.inference.api import land_whole
+from rollart_hpc.inference.engines import engine_dtype
 from rollart_hpc.inference.vllm_staging import StagingBuffer, chunk_layouts
 from rollart_hpc.inference.vllm_worker import BEGIN_METHOD, FINISH_METHOD, LOAD_METHOD
 from rollart_hpc.models.config import load_config
@@ -82,31 +86,67 @@ class _Request:
     abort_requested: bool = False
 
 
+@dataclass(frozen=True)
+class VLLMSettings:
+    """What a `VLLMEngine` is built with besides its model, policy version and sampling seed.
+
+    `enforce_eager` None = eager on CPU only (CUDA graphs on GPU); `gpu_memory_utilization` None = vLLM's
+    default (always on CPU, where the KV cache is sized by `kv_cache_memory_bytes`); `staging_bytes`: the
+    largest chunk of a weight update staged at once; `engine_kwargs`: more `AsyncEngineArgs` keywords."""
+
+    num_slots: int = 16
+    max_model_len: int = 2048
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    enforce_eager: bool | None = None
+    gpu_memory_utilization: float | None = None
+    staging_bytes: int = 32 << 20
+    ignore_eos: bool = False
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    poll_s: float = 0.005
+    rpc_timeout_s: float = 600.0
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, trainer: TrainingConfig) -> VLLMSettings:
+        """A run's engine: its rollout section and [rollout.vllm] table; dtype 'auto' is the trainer's
+        precision (the dtype of the published weights, `engine_dtype`); weight updates are staged one
+        publication bucket (trainer.bucket_mb) at a time."""
+        return VLLM_FROM_SECTIONS(
+            rollout, rollout.vllm, trainer, dtype=engine_dtype(rollout, trainer.precision)
+        )
+
+
+VLLM_FROM_SECTIONS = derive(
+    VLLMSettings,
+    RolloutConfig,
+    VllmConfig,
+    TrainingConfig,
+    rename={"staging_bytes": "bucket_mb"},
+    given=("dtype",),
+    kept=("enable_prefix_caching", "ignore_eos", "engine_kwargs", "poll_s", "rpc_timeout_s"),
+    convert={
+        "enforce_eager": lambda eager: True if eager else None,  # False: eager on CPU, CUDA graphs on GPU
+        "staging_bytes": lambda bucket_mb: int(bucket_mb * 2**20),
+    },
+)
+"""The [rollout] and [rollout.vllm] fields of the same name, and the trainer's publication bucket."""
+
+ENGINE_ARGS = ("dtype", "max_model_len", "tensor_parallel_size", "enable_prefix_caching")
+"""`VLLMSettings` fields passed to vLLM's `AsyncEngineArgs` as they are, under the same name."""
+
+
 class VLLMEngine:
     """One vLLM engine (TP = `tensor_parallel_size` workers) behind `LLMEngine`'s synchronous methods."""
 
     def __init__(
-        self,
-        model_dir: str | Path,
-        num_slots: int = 16,
-        max_model_len: int = 2048,
-        dtype: str = "auto",
-        version: int = 0,
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-        enable_prefix_caching: bool = True,
-        enforce_eager: bool | None = None,
-        gpu_memory_utilization: float | None = None,
-        staging_bytes: int = 32 << 20,
-        ignore_eos: bool = False,
-        engine_kwargs: dict[str, Any] | None = None,
-        poll_s: float = 0.005,
-        rpc_timeout_s: float = 600.0,
+        self, model_dir: str | Path, settings: VLLMSettings | None = None, version: int = 0, seed: int = 0
     ) -> None:
+        settings = settings or VLLMSettings()
         self.model_dir = Path(model_dir)
-        self.poll_s, self.rpc_timeout_s = poll_s, rpc_timeout_s
-        self.staging_bytes = staging_bytes
-        self.ignore_eos = ignore_eos
+        self.poll_s, self.rpc_timeout_s = settings.poll_s, settings.rpc_timeout_s
+        self.staging_bytes = settings.staging_bytes
+        self.ignore_eos = settings.ignore_eos
         self.cached_prompt_tokens = 0
         self._version = version
         self._outputs: queue.Queue[RequestOutput] = queue.Queue()
@@ -121,13 +161,7 @@ class VLLMEngine:
         self._thread.start()
         from vllm import AsyncEngineArgs
 
-        args = AsyncEngineArgs(
-            **engine_arg_values(
-                self.model_dir, num_slots, max_model_len, dtype, seed, tensor_parallel_size,
-                enable_prefix_caching, enforce_eager, gpu_memory_utilization, engine_kwargs or {},
-                **_host_facts(),
-            )
-        )  # fmt: skip
+        args = AsyncEngineArgs(**engine_arg_values(self.model_dir, settings, seed, **_host_facts()))
         self._llm: Any = None
         try:
             self._llm = self._call(self._start(args, version), timeout=None)
@@ -452,15 +486,8 @@ def _host_facts() -> dict[str, Any]:
 
 def engine_arg_values(
     model_dir: Path,
-    num_slots: int,
-    max_model_len: int,
-    dtype: str,
+    settings: VLLMSettings,
     seed: int,
-    tensor_parallel_size: int,
-    enable_prefix_caching: bool,
-    enforce_eager: bool | None,
-    gpu_memory_utilization: float | None,
-    extra: dict[str, Any],
     *,
     on_cpu: bool,
     batched_tokens: int,
@@ -468,9 +495,10 @@ def engine_arg_values(
 ) -> dict[str, Any]:
     """The keyword arguments of vLLM's `AsyncEngineArgs` for one engine (no vLLM import).
 
-    `enforce_eager` None = eager on CPU only; `gpu_memory_utilization` None = vLLM's default (always on
-    CPU, where the KV cache is sized by `kv_cache_memory_bytes`); `batched_tokens`: vLLM's default
-    scheduler token budget; `cpu_kv_cache_space`: VLLM_CPU_KVCACHE_SPACE is set."""
+    `batched_tokens`: vLLM's default scheduler token budget; `cpu_kv_cache_space`: VLLM_CPU_KVCACHE_SPACE
+    is set."""
+    num_slots, max_model_len = settings.num_slots, settings.max_model_len
+    gpu_memory_utilization, extra = settings.gpu_memory_utilization, dict(settings.engine_kwargs)
     if on_cpu and "kv_cache_memory_bytes" not in extra and not cpu_kv_cache_space:
         # vllm-cpu otherwise reserves gpu_memory_utilization (0.92) of the host's memory, which fails on a
         # box shared with the other roles: size the cache for what this engine can hold instead.
@@ -485,16 +513,13 @@ def engine_arg_values(
         extra = {**extra, "gpu_memory_utilization": gpu_memory_utilization}
     return dict(
         model=str(model_dir),
-        dtype=dtype,
-        max_model_len=max_model_len,
         max_num_seqs=num_slots,
         seed=seed,
-        tensor_parallel_size=tensor_parallel_size,
-        enable_prefix_caching=enable_prefix_caching,
-        enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+        enforce_eager=on_cpu if settings.enforce_eager is None else settings.enforce_eager,
         logprobs_mode="processed_logprobs",
         worker_extension_cls=WORKER_EXTENSION,
         disable_log_stats=True,
+        **{name: getattr(settings, name) for name in ENGINE_ARGS},
         **extra,
     )
 

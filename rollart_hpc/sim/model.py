@@ -41,7 +41,7 @@ import simpy
 
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.records import Status, Trajectory
-from rollart_hpc.controller.core import Batch, ControllerCore
+from rollart_hpc.controller.core import Batch, ControllerCore, CoreSettings
 from rollart_hpc.metrics.trace import TraceWriter
 from rollart_hpc.routing.router import rollout_index
 from rollart_hpc.sim.profile import EpisodeShape, Profile, steady_step_s
@@ -270,8 +270,10 @@ class Simulation:
         if scenario.reward_pool is not None:
             scenario.reward_pool.bind(self.env)
         self.rng = random.Random(seed)
-        self.core = ControllerCore.from_config(
-            config.controller, config.algo, [f"task{i:06d}" for i in range(scenario.num_tasks)], seed
+        self.core = ControllerCore.build(
+            CoreSettings.from_config(config.controller, config.algo),
+            [f"task{i:06d}" for i in range(scenario.num_tasks)],
+            seed,
         )
         self.core.clock = lambda: float(self.env.now)
         roles = config.roles
