@@ -39,12 +39,15 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_worker_config_carries_the_modes_and_checks_sizes() -> None:
     default = worker_config(_parse())
-    assert default["snapshot"] is True
+    assert default["stream"] is True and default["snapshot"] is False  # what the trainer does
     config = worker_config(_parse("--deferred-pack", "--sizes-mb", "10,100"))
     assert config["snapshot"] is False and config["stream"] is False
-    assert worker_config(_parse("--stream"))["stream"] is True
-    with pytest.raises(UsageError, match="exclude each other"):
-        worker_config(_parse("--stream", "--deferred-pack"))
+    assert worker_config(_parse("--publish", "deferred")) == worker_config(_parse("--deferred-pack"))
+    assert worker_config(_parse("--publish", "snapshot"))["snapshot"] is True
+    assert worker_config(_parse("--stream")) == default
+    for both in (("--stream", "--deferred-pack"), ("--publish", "snapshot", "--deferred-pack")):
+        with pytest.raises(SystemExit):  # argparse: not allowed with argument ...
+            _parse(*both)
     assert config["sizes_bytes"] == [10_000_000, 100_000_000]
     with pytest.raises(UsageError):
         worker_config(_parse("--sizes-mb", "0"))

@@ -21,6 +21,7 @@ from typing import Any
 from rollart_hpc.contracts.errors import UsageError
 
 MIN_HEADLINE_BYTES = 100_000_000
+PUBLISH_MODES = ("stream", "deferred", "snapshot")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,15 +41,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per size (median reported)")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="weight group backend")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="peer timeout inside the world")
-    parser.add_argument(
-        "--deferred-pack",
-        action="store_true",
-        help="publish with snapshot=False: return at once, pack in the background (tensors held until packed)",
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--publish",
+        choices=PUBLISH_MODES,
+        default="stream",
+        help="how the publisher is handed the weights: stream (publish_stream one tensor at a time, as the "
+        "trainer publishes its units; returns once every tensor is packed or sent), deferred (publish with "
+        "snapshot=False: return at once, pack in the background, tensors held until packed) or snapshot "
+        "(publish packs a copy before it returns)",
     )
-    parser.add_argument(
-        "--stream",
-        action="store_true",
-        help="publish_stream one tensor at a time, as the trainer publishes its units (packed before it returns)",
+    mode.add_argument(
+        "--stream", dest="publish", action="store_const", const="stream", help="the same as --publish stream"
+    )
+    mode.add_argument(
+        "--deferred-pack",
+        dest="publish",
+        action="store_const",
+        const="deferred",
+        help="the same as --publish deferred",
     )
 
 
@@ -67,10 +78,6 @@ def worker_config(args: argparse.Namespace) -> dict[str, object]:
         raise UsageError(f"--receivers: must be >= 1, got {args.receivers}")
     if args.bucket_mb <= 0 or args.repeats < 1 or args.timeout_s <= 0:
         raise UsageError("--bucket-mb and --timeout-s must be > 0 and --repeats >= 1")
-    if args.stream and args.deferred_pack:
-        raise UsageError(
-            "--stream and --deferred-pack exclude each other (a stream is packed before it returns)"
-        )
     if args.direct_mb < 0 or 0 < args.direct_mb * 1e6 < 64:
         raise UsageError(f"--direct-mb: must be 0 (off) or at least 64 bytes, got {args.direct_mb:g}")
     return {
@@ -80,8 +87,8 @@ def worker_config(args: argparse.Namespace) -> dict[str, object]:
         "repeats": args.repeats,
         "backend": args.backend,
         "timeout_s": args.timeout_s,
-        "snapshot": not args.deferred_pack,
-        "stream": args.stream,
+        "snapshot": args.publish == "snapshot",
+        "stream": args.publish == "stream",
     }
 
 
