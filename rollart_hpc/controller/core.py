@@ -176,9 +176,8 @@ class ControllerCore:
         self.groups: dict[str, Group] = {}  # group id -> group, dispatched and not yet trained or dropped
         self.open_group: str | None = None  # the group whose members are being dispatched
         self.next_group = 0
-        self.drift_per_version = (
-            settings.drift_per_version
-        )  # arrival tracker: D per version since the last fold
+        # arrival tracker: D per version since the last fold
+        self.drift_per_version = settings.drift_per_version
         self.last_fold: dict[str, int] = {}  # arrival tracker: task id -> version at its last fold
 
     @classmethod
