@@ -229,6 +229,11 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
         ".* is (deprecated|a private function).*",
         category=FutureWarning,
     )
+    # Megatron's distributed optimizer zeroes the grads of its fp32 shard views (non-leaf views of the
+    # parameters), which torch warns about; its own source marks the line ("throws grad-access warning").
+    warnings.filterwarnings(
+        "ignore", message=r".*\.grad attribute of a Tensor that is not a leaf Tensor.*", category=UserWarning
+    )
     from rollart_hpc.weights.transport import announce_to, join_run_weight_group, open_publisher  # torch
 
     group = join_run_weight_group(ctx)  # first of all, as the rollout ranks do (None off the first trainer)
