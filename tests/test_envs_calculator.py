@@ -126,3 +126,18 @@ def test_limits_are_configurable() -> None:
     with pytest.raises(CalcError, match="too large"):
         evaluate("1000*1000", CalcLimits(max_abs=1e5))
     assert evaluate("1000*1000") == 1_000_000
+
+
+def test_the_parsers_syntax_warnings_stay_off_the_console() -> None:
+    """`1and 2` makes Python's parser warn ("invalid decimal literal"); the calculator refuses it quietly."""
+    import subprocess
+    import sys
+
+    code = (
+        "from rollart_hpc.tasks.families.calculator import CalcError, evaluate\n"
+        "try:\n    evaluate('1and 2')\nexcept CalcError as exc:\n    print('refused:', exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "refused: not allowed: BoolOp" and "SyntaxWarning" not in out.stderr, out

@@ -15,6 +15,7 @@ import ast
 import math
 import operator
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,12 @@ class CalcLimits:
     timeout_s: float = 0.05
 
 
+# The model's text is parsed under this file name, so that the SyntaxWarnings the parser raises on it
+# ("invalid decimal literal" for `1and 2`, ...) stay out of the console: the text is refused or
+# evaluated all the same, and the model sees the outcome.
+_SOURCE = "<calc>"
+warnings.filterwarnings("ignore", category=SyntaxWarning, module=_SOURCE)
+
 _BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)
 _UNARY = (ast.UAdd, ast.USub)
 
@@ -49,7 +56,7 @@ def evaluate(text: str, limits: CalcLimits | None = None) -> Number:
     expr = text.strip()
     _check_text(expr, lim)
     try:
-        tree = ast.parse(expr, mode="eval")
+        tree = ast.parse(expr, filename=_SOURCE, mode="eval")
     except (SyntaxError, ValueError, MemoryError, RecursionError) as exc:
         raise CalcError(f"syntax error ({type(exc).__name__})") from None
     _check_tree(tree, lim)
