@@ -44,21 +44,17 @@ GroupAdvantage = Literal["", "grpo", "dr_grpo", "rloo"]
 LossAgg = Literal["", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 Level = Literal["", "token", "sequence"]
 
+_GROUP_ARM: dict[str, str] = {"tracker": "event_time", "estimator": "group"}
+
 ALGO_PRESETS: dict[str, dict[str, str]] = {
     "spo++": {"tracker": "event_time", "normalization": "action_token", "estimator": "tracker"},
     "spo": {"tracker": "arrival", "normalization": "trajectory", "estimator": "tracker"},
-    "grpo": {"tracker": "event_time", "estimator": "group", "group_advantage": "grpo"},
-    "dr_grpo": {
-        "tracker": "event_time",
-        "estimator": "group",
-        "group_advantage": "dr_grpo",
-        "loss_agg": "seq_mean_token_sum_norm",
-    },
-    "rloo": {"tracker": "event_time", "estimator": "group", "group_advantage": "rloo"},
+    "grpo": {**_GROUP_ARM, "group_advantage": "grpo"},
+    "dr_grpo": {**_GROUP_ARM, "group_advantage": "dr_grpo", "loss_agg": "seq_mean_token_sum_norm"},
+    "rloo": {**_GROUP_ARM, "group_advantage": "rloo"},
     "reinforce++": {"tracker": "event_time", "estimator": "batch", "loss_agg": "token_mean"},
     "gspo": {
-        "tracker": "event_time",
-        "estimator": "group",
+        **_GROUP_ARM,
         "group_advantage": "grpo",
         "ratio_level": "sequence",
         "loss_agg": "seq_mean_token_mean",
