@@ -28,6 +28,22 @@ def query(argv: list[str]) -> str:
     raise AssertionError(f"{' '.join(argv)} failed 5 times: {proc.stderr.strip()}")
 
 
+UNSETTLED = ("RUNNING", "PENDING", "COMPLETING", "REQUEUED")
+
+
+def settled_states(job_id: str, timeout_s: float = 90.0) -> list[str]:
+    """sacct's states of a job's components (or tasks) once none is still live.
+
+    Accounting lags the queue: a job gone from squeue can still read RUNNING in sacct until slurmdbd
+    has taken its end record, so this waits for the record rather than reading it once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = query(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id]).split()
+        if states and not any(s in UNSETTLED for s in states) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.5)
+
+
 def rank_nodes(run_dir: Path) -> dict[int, str]:
     pids = sorted((run_dir / "pids").glob("rank-*.pid"))
     return {int(p.stem.split("-")[1]): json.loads(p.read_text())["node"] for p in pids}

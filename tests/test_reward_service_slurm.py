@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from reward_running import calc_math_traj
+from slurm_logs import settled_states
 
 from rollart_hpc.cluster.sbatch import ServiceJob, render_service_job
 from rollart_hpc.config.schema import RewardConfig
@@ -216,20 +217,6 @@ def _squeue_gone(job_id: str, timeout_s: float) -> bool:
     return False
 
 
-def _sacct_state(job_id: str) -> str:
-    for _ in range(20):  # accounting lags the queue by a moment
-        out = subprocess.run(
-            ["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout.split()
-        if out and out[0] not in ("RUNNING", "PENDING"):
-            return out[0]
-        time.sleep(0.5)
-    return "?"
-
-
 @pytest.mark.slurm
 @pytest.mark.skipif(shutil.which("sbatch") is None, reason="no SLURM client on PATH")
 def test_slurm_service_exits_when_idle_and_a_client_resubmits_it(tmp_path: Path) -> None:
@@ -265,7 +252,7 @@ def test_slurm_service_exits_when_idle_and_a_client_resubmits_it(tmp_path: Path)
         first, _ = asyncio.run(score(3))
         assert [(t.status, t.reward) for t in first] == [("ok", 1.0)] * 3
         assert _squeue_gone(jobs[0], 60), f"job {jobs[0]} did not exit when idle"
-        assert _sacct_state(jobs[0]) == "COMPLETED" and not (folder / ADDRESS_FILE).exists()
+        assert settled_states(jobs[0]) == ["COMPLETED"] and not (folder / ADDRESS_FILE).exists()
         again, client = asyncio.run(score(2))
         jobs.append(json.loads((folder / ondemand.JOB_FILE).read_text())["job_id"])
         assert [(t.status, t.reward) for t in again] == [("ok", 1.0)] * 2
@@ -274,7 +261,7 @@ def test_slurm_service_exits_when_idle_and_a_client_resubmits_it(tmp_path: Path)
         assert [s["job_id"] for s in starts] == jobs and starts[1]["by"] == "run-a"
         assert all(0 < s["startup_s"] < 120 for s in starts), starts
         print(f"start-up times (submission -> address file): {[s['startup_s'] for s in starts]}")
-        assert _squeue_gone(jobs[1], 60) and _sacct_state(jobs[1]) == "COMPLETED"
+        assert _squeue_gone(jobs[1], 60) and settled_states(jobs[1]) == ["COMPLETED"]
     finally:
         for job_id in jobs:
             subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)

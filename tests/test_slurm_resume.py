@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from launching import launch, metric_rows, rank_pid, read_summary, stored_records
-from slurm_logs import query, rank_nodes
+from slurm_logs import query, rank_nodes, settled_states
 
 from rollart_hpc.cluster.jobs import JOB_RECORD
 from rollart_hpc.controller.checkpoint import latest
@@ -95,17 +95,6 @@ def _queued(job_id: str) -> bool:
     return bool(query(["squeue", "-h", "-j", job_id]).strip())
 
 
-def _states(job_id: str, timeout_s: float = 90.0) -> list[str]:
-    """The job's final states from accounting, which lags a little behind the end of the job."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = query(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id]).split()
-        settled = states and not any(s in ("RUNNING", "PENDING", "COMPLETING", "REQUEUED") for s in states)
-        if settled or time.monotonic() > deadline:
-            return states
-        time.sleep(1.0)
-
-
 def _cancel(job_id: str) -> None:
     subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)
 
@@ -144,7 +133,7 @@ def test_preempted_hetjob_checkpoints_requeues_resumes_and_finishes(repo_root: P
     finally:
         _cancel(job_id)
     log = _log(record)
-    assert _states(job_id) == ["COMPLETED", "COMPLETED"], log[-4000:]
+    assert settled_states(job_id) == ["COMPLETED", "COMPLETED"], log[-4000:]
     assert "stop requested: checkpointed at version" in log
     assert f"the run stopped at a checkpoint: requeue job {job_id} (restart 1 of 2)" in log
     assert f"[slurm] job {job_id} restart 1 on rollout1" in log
@@ -175,7 +164,7 @@ def test_killed_rank_fails_the_job_and_local_resume_finishes(repo_root: Path, tm
         _cancel(job_id)
     failed_s = time.monotonic() - start
     log = _log(record)
-    assert _states(job_id)[0] == "FAILED", (_states(job_id), log[-4000:])
+    assert settled_states(job_id)[0] == "FAILED", (settled_states(job_id), log[-4000:])
     assert "rollout1: task 2: Killed" in log, log[-4000:]
     assert "requeue" not in log.split("step exited with status")[-1]
     assert not (run_dir / "summary.json").exists()
@@ -203,7 +192,7 @@ def test_killed_rank_is_restarted_in_the_allocation_and_finishes(repo_root: Path
     finally:
         _cancel(job_id)
     log = _log(record)
-    assert _states(job_id)[0] == "COMPLETED", (_states(job_id), log[-4000:])
+    assert settled_states(job_id)[0] == "COMPLETED", (settled_states(job_id), log[-4000:])
     restarts = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
     assert len(restarts) == 1 and restarts[0]["step"] >= 1, restarts
     assert "[slurm] restart 1/2 from step" in log and "[slurm] run finished" in log, log[-4000:]
@@ -240,7 +229,7 @@ def test_preempted_submitit_job_requeues_from_rank_0_and_finishes(repo_root: Pat
     finally:
         _cancel(job_id)
     log = _log(record)
-    assert _states(job_id) == ["COMPLETED"], log[-4000:]
+    assert settled_states(job_id) == ["COMPLETED"], log[-4000:]
     preempted = re.search(
         rf"the run stopped at a checkpoint: requeue job {job_id} \(restart (\d) of 2\)", log
     )
@@ -292,7 +281,7 @@ def test_killed_rank_of_a_submitit_job_is_requeued_and_finishes(repo_root: Path,
     finally:
         _cancel(job_id)
     log = _log(record)
-    assert _states(job_id) == ["COMPLETED"], log[-4000:]
+    assert settled_states(job_id) == ["COMPLETED"], log[-4000:]
     # Besides the killed rank's restart (after a checkpoint), at most a crash while the world started
     # (step 0; see the preemption test above).
     restarts = _restarts(run_dir)

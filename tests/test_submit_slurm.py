@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from slurm_logs import query, rank_nodes, step_succeeded
+from slurm_logs import query, rank_nodes, settled_states, step_succeeded
 
 from rollart_hpc.cluster.jobs import JOB_RECORD
 from rollart_hpc.contracts.errors import UsageError
@@ -61,7 +61,7 @@ def _wait_done(job_id: str, logs: list[str]) -> list[str]:
             time.sleep(1.0)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)
-    return query(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id]).split()
+    return settled_states(job_id)
 
 
 def _ok_lines(text: str) -> set[tuple[str, int]]:
