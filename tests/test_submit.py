@@ -39,6 +39,7 @@ from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.entry import submit
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
+ROOT = Path(__file__).resolve().parents[1]
 HOSTILE_RUN_DIR = Path('/tmp/a b/it\'s "x"')
 FIXED_PYTHON = "/opt/rollart/.venv/bin/python"
 FIXED_MPI_ENV = Path("/opt/rollart/slurm/mpi_env.sh")
@@ -538,6 +539,16 @@ def test_rendered_hetjob_passes_shellcheck(tmp_path: Path) -> None:
     script.write_text(_render(tmp_path, THREE_PARTITIONS))
     proc = subprocess.run(
         ["shellcheck", "-s", "bash", str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+def test_shipped_sbatch_examples_pass_shellcheck() -> None:
+    examples = sorted((ROOT / "slurm" / "examples").glob("*.sbatch"))
+    assert examples, "no slurm/examples/*.sbatch"
+    proc = subprocess.run(
+        ["shellcheck", "-s", "bash", *map(str, examples)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout
 
