@@ -169,8 +169,9 @@ def success_series(
 
 
 def pick_target(args: argparse.Namespace, sync_series: list[Series]) -> dict[str, Any]:
-    """The target success of each seed (see the module docstring), from the sync runs' series in seed
-    order: `values[i]` is seed i's target, None where it is undefined."""
+    """The target success of each seed (see the module docstring), from the sync runs' series in the
+    order of --seeds: `values[i]` is the i-th seed's target, None where it is undefined."""
+    seed_values = seeds(args)
     base = {"metric": args.metric, "window": args.window}
     if args.target_success is not None:
         value = float(args.target_success)
@@ -180,12 +181,14 @@ def pick_target(args: argparse.Namespace, sync_series: list[Series]) -> dict[str
     for index, series in enumerate(sync_series):
         if not series:
             values.append(None)
-            notes.append(f"the sync run of seed #{index} has no {args.metric} success rows")
+            notes.append(f"the sync run of seed {seed_values[index]} has no {args.metric} success rows")
             continue
         start, final = series[0][1], series[-1][1]
         if final <= start:
             values.append(None)
-            notes.append(f"the sync run of seed #{index} gained no success ({start:.4f} -> {final:.4f})")
+            notes.append(
+                f"the sync run of seed {seed_values[index]} gained no success ({start:.4f} -> {final:.4f})"
+            )
             continue
         values.append(start + args.target_fraction * (final - start))
     how = f"per seed: the sync run's start + {args.target_fraction} x its gain (final - start)"
