@@ -171,7 +171,9 @@ class SmokeConfig:
     tensor_numel: int = doc_field(
         4096, "Elements of the tensor broadcast from the first trainer to rollout ranks."
     )
-    fail_rank: int = doc_field(-1, "Test only: this rank raises an error during the smoke job (-1 = none).")
+    fail_rank: int = doc_field(
+        -1, "Test only: this rank raises an error once every rank is up in the smoke job (-1 = none)."
+    )
     silent_rank: int = doc_field(-1, "Test only: this rank never answers its peers (-1 = none).")
 
     def validate(self, path: str) -> None:

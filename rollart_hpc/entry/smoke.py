@@ -69,6 +69,8 @@ def main(config: Config, world: World, run_dir: Path) -> None:
     if world.rank == smoke.silent_rank:
         log.info("test option smoke.silent_rank: staying silent")
         time.sleep(10 * config.cluster.peer_timeout_s)
+    if smoke.fail_rank >= 0:
+        world.barrier()  # every rank is up, its pid file written, when the failure ends the world
     if world.rank == smoke.fail_rank:
         raise RuntimeError(f"injected failure (smoke.fail_rank={smoke.fail_rank})")
     start = time.monotonic()
