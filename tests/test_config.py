@@ -76,7 +76,7 @@ def test_value_checks():
         build(Config, {"roles": {"controller": {"num_ranks": 2}}})
     with pytest.raises(UsageError, match=r"cluster\.peer_timeout_s: must be > 0"):
         build(Config, {"cluster": {"peer_timeout_s": 0}})
-    with pytest.raises(UsageError, match=r"trainer: ppo_epochs and num_minibatches must be >= 1, got 0, 1"):
+    with pytest.raises(UsageError, match=r"trainer.ppo_epochs: must be >= 1, got 0"):
         build(Config, {"trainer": {"ppo_epochs": 0}})
 
 

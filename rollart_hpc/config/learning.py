@@ -203,8 +203,7 @@ class AlgoConfig:
                     raise UsageError(f"{path}.{key}: only the arrival tracker uses it; remove it")
         elif self.rho != AlgoConfig.rho:
             raise UsageError(f"{path}.rho: the arrival tracker adapts rho (arrival_*); remove it")
-        if self.arrival_drift_per_version < 0:
-            raise UsageError(f"{path}.arrival_drift_per_version: must be >= 0")
+        check_bounds(self, path, arrival_drift_per_version=">= 0")
         if not 0.0 < self.arrival_rho_min <= self.arrival_rho_max <= 1.0:
             raise UsageError(f"{path}: 0 < arrival_rho_min <= arrival_rho_max <= 1 required")
         if self.max_in_flight_per_task < 1 or self.sampler_epsilon <= 0:
@@ -277,17 +276,8 @@ def check_trainer_fields(settings: Any, path: str) -> None:
     """The rules on the fields the [trainer] section shares with the trainer's own settings
     (`rollart_hpc.train.config.TrainerConfig`, derived from the section by name): checked by both, stated
     once. `path` names the section in the one-line `UsageError`."""
-    check_bounds(settings, path, micro_batch_tokens=">= 1")
-    if settings.ppo_epochs < 1 or settings.num_minibatches < 1:
-        raise UsageError(
-            f"{path}: ppo_epochs and num_minibatches must be >= 1, got {settings.ppo_epochs}, "
-            f"{settings.num_minibatches}"
-        )
-    if settings.tensor_parallel < 1 or settings.pipeline_parallel < 1:
-        raise UsageError(
-            f"{path}.tensor_parallel, {path}.pipeline_parallel: must be >= 1, "
-            f"got {settings.tensor_parallel}, {settings.pipeline_parallel}"
-        )
+    counts = ("micro_batch_tokens", "ppo_epochs", "num_minibatches", "tensor_parallel", "pipeline_parallel")
+    check_bounds(settings, path, **dict.fromkeys(counts, ">= 1"))
     if settings.sequence_parallel and settings.tensor_parallel == 1:
         raise UsageError(f"{path}.sequence_parallel: needs {path}.tensor_parallel > 1")
     for key, allowed in (

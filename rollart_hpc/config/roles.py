@@ -115,10 +115,8 @@ class RolloutPoolConfig(RoleConfig):
         check_slurm_word(f"{path}.name", self.name)
         if self.num_ranks < 1:
             raise UsageError(f"{path}.num_ranks: a pool needs >= 1 rank, got {self.num_ranks}")
-        if self.num_slots < 0 or self.num_threads < 0:
-            raise UsageError(f"{path}: num_slots and num_threads must be >= 0")
-        if self.prefill_cost_scale < 1.0 or self.decode_cost_scale < 1.0:
-            raise UsageError(f"{path}: prefill_cost_scale and decode_cost_scale must be >= 1")
+        check_bounds(self, path, num_slots=">= 0", num_threads=">= 0")
+        check_bounds(self, path, prefill_cost_scale=">= 1", decode_cost_scale=">= 1")
 
     @property
     def has_cost_profile(self) -> bool:

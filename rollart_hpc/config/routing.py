@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rollart_hpc.config.loader import doc_field
+from rollart_hpc.config.loader import check_bounds, doc_field
 from rollart_hpc.contracts.errors import UsageError
 
 RoutingPolicy = Literal["hash", "static", "adaptive"]
@@ -48,8 +48,7 @@ class RoutingConfig:
     )
 
     def validate(self, path: str) -> None:
-        if self.saturation <= 0:
-            raise UsageError(f"{path}.saturation: must be > 0, got {self.saturation}")
+        check_bounds(self, path, saturation="> 0")
         if self.adapt_every_s <= 0 or not 0 <= self.hysteresis < 1:
             raise UsageError(f"{path}: adapt_every_s > 0 and 0 <= hysteresis < 1 required")
         if not 0 <= self.min_share < 0.5:

@@ -177,8 +177,7 @@ class SmokeConfig:
     silent_rank: int = doc_field(-1, "Test only: this rank never answers its peers (-1 = none).")
 
     def validate(self, path: str) -> None:
-        if self.num_rounds < 1 or self.tensor_numel < 1:
-            raise UsageError(f"{path}: num_rounds and tensor_numel must be >= 1")
+        check_bounds(self, path, num_rounds=">= 1", tensor_numel=">= 1")
 
 
 @dataclass(frozen=True)
