@@ -86,13 +86,3 @@ def vllm_state(
     st = {"engine": engine, "dirs": dirs, "loaded": 0, "vocab": load_config(dirs[0]).vocab_size}
     yield st
     engine.close()
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n N --dist loadgroup`), every slurm-marked test runs on one worker, one at
-    a time: they share the two nodes of the local test cluster, and a job queued behind another test's
-    job would wait for it."""
-    for item in items:
-        if item.get_closest_marker("slurm") is not None:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
