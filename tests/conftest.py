@@ -7,7 +7,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import fcntl  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -25,6 +27,25 @@ def repo_root() -> Path:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+# The slurm-marked tests share the two nodes of the local test cluster: a job queued behind another test's
+# job would wait for it, and some tests expect both nodes idle. Under pytest-xdist (`-n 2`) they therefore
+# run one at a time, whichever worker holds them, through an exclusive lock on one file.
+SLURM_TEST_LOCK = Path(tempfile.gettempdir()) / "rollart-hpc-slurm-tests.lock"
+
+
+@pytest.fixture(autouse=True)
+def _one_slurm_test_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    if request.node.get_closest_marker("slurm") is None:
+        yield
+        return
+    with SLURM_TEST_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 # The environment of the in-process vLLM engines of the vllm-marked tests, set for the session and restored.
