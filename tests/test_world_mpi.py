@@ -2,13 +2,14 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from launching import REPO, launch, start_run
+from launching import REPO, launch, start_run, wait_until
 
 from rollart_hpc.cluster.mpiexec import mpi_environment
 from rollart_hpc.cluster.procs import pid_alive
@@ -94,14 +95,28 @@ def test_silent_rank_in_launcher_times_out(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("signum", "code", "reason"), [(2, 130, "interrupted (Ctrl-C)"), (15, 143, "terminated (SIGTERM)")]
+    ("signum", "code", "reason", "inherit"),
+    [
+        (signal.SIGINT, 130, "interrupted (Ctrl-C)", signal.SIG_DFL),
+        # A launcher started in the background of a non-interactive shell inherits SIGINT ignored.
+        (signal.SIGINT, 130, "interrupted (Ctrl-C)", signal.SIG_IGN),
+        (signal.SIGTERM, 143, "terminated (SIGTERM)", signal.SIG_DFL),
+    ],
 )
-def test_ctrl_c_or_sigterm_stops_whole_world(tmp_path, signum, code, reason):
+def test_ctrl_c_or_sigterm_stops_whole_world(tmp_path, signum, code, reason, inherit):
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, "smoke.silent_rank=1", "cluster.peer_timeout_s=600", config=SMOKE)
-    deadline = time.monotonic() + 60
-    while len(list((run_dir / "pids").glob("rank-*.pid"))) < 5 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    # The launcher inherits this process's SIGINT disposition: set it for the start (pytest's own may vary).
+    own = signal.signal(signal.SIGINT, signal.default_int_handler if inherit == signal.SIG_DFL else inherit)
+    try:
+        proc = start_run(run_dir, "smoke.silent_rank=1", "cluster.peer_timeout_s=600", config=SMOKE)
+    finally:
+        signal.signal(signal.SIGINT, own)
+    try:
+        # Every rank up (each writes its pid file first): the launcher is then watching the world.
+        wait_until(lambda: len(list((run_dir / "pids").glob("rank-*.pid"))) == 5, timeout_s=300, poll_s=0.2)
+    except AssertionError:
+        proc.kill()
+        raise
     os.kill(proc.pid, signum)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err

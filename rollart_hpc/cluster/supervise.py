@@ -88,8 +88,10 @@ def run_world_outcome(run_dir: Path, world_size: int, timeout_s: float = 0.0) ->
     reason = None
     watch = WorldWatch(run_dir, world_size)
     # mpiexec runs in its own session, so a SIGTERM/SIGHUP that kills only the launcher would orphan the
-    # world: turn them into the same orderly stop as Ctrl-C.
+    # world: turn them into the same orderly stop as Ctrl-C. SIGINT is set too: a launcher started in the
+    # background of a non-interactive shell inherits it ignored, and `kill -INT` must still stop the world.
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while proc.poll() is None:
             if watch.poll():
