@@ -245,3 +245,39 @@ def test_rank_loop_serves_requests_and_swaps_weights_through_the_vllm_engine(
     ref = _run(_builtin(state["dirs"][new_index]), {"b": (b, GREEDY)})["b"]
     assert out_b.token_ids == ref.token_ids
     assert by_tag[Tag.STATS][0][1] == 0
+
+
+def test_close_finishes_a_shutdown_that_vllms_process_kill_broke_off(
+    tmp_path: Path, vllm_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's forced kill of the engine core's process tree raises psutil.NoSuchProcess when a child exits
+    between being listed and being named, and skips the rest of its shutdown. close() then kills what is
+    left itself: no engine core process outlives it, and closing again does nothing."""
+    import psutil
+    import vllm.v1.engine.utils as engine_utils
+    from conftest import make_vllm_test_model
+
+    from rollart_hpc.inference.vllm_engine import VLLMEngine, VLLMSettings
+    from rollart_hpc.models.config import load_config
+
+    model_dir = make_vllm_test_model(tmp_path, "llama", False, seed=4)
+    settings = VLLMSettings(num_slots=4, max_model_len=MAX_LEN, dtype="float32", ignore_eos=True)
+    engine = VLLMEngine(model_dir, settings, version=1)
+    try:
+        prompt = contract.prompts((6,), seed=5, vocab=load_config(model_dir).vocab_size)[0]
+        out = _run(engine, {"k": (prompt, GREEDY)})["k"]
+        assert out.finish_reason == "length"
+        core_pids = [p.pid for p in engine._llm.engine_core.resources.engine_manager.processes]
+        family = [psutil.Process(pid) for pid in core_pids]
+        family += [c for p in list(family) for c in p.children(recursive=True)]
+        assert core_pids
+
+        def broken_off(procs: Any, timeout: float | None = None) -> None:
+            raise psutil.NoSuchProcess(4242, "VLLM::EngineCore")
+
+        monkeypatch.setattr(engine_utils, "shutdown", broken_off)
+    finally:
+        engine.close()
+    gone, alive = psutil.wait_procs(family, timeout=60)
+    assert not alive, [p.pid for p in alive]
+    engine.close()

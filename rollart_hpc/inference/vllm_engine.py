@@ -42,6 +42,7 @@ keeps top-k and top-p off, so they are log softmax(logits / T), what the trainer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import threading
@@ -132,6 +133,7 @@ VLLM_FROM_SECTIONS = derive(
 )
 """The [rollout] and [rollout.vllm] fields of the same name, and the trainer's publication bucket."""
 
+SHUTDOWN_GRACE_S = 60.0  # how long the engine core may take to exit after SIGTERM before it is killed
 ENGINE_ARGS = ("dtype", "max_model_len", "tensor_parallel_size", "enable_prefix_caching")
 """`VLLMSettings` fields passed to vLLM's `AsyncEngineArgs` as they are, under the same name."""
 
@@ -324,7 +326,16 @@ class VLLMEngine:
             await self._llm.abort(request_id)
 
     async def _shutdown(self) -> None:
-        self._llm.shutdown()
+        # vLLM gives its engine core 5 s after SIGTERM by default, then force-kills its process tree,
+        # and that kill raises psutil.NoSuchProcess when a child exits between being listed and being
+        # named (vllm/utils/system_utils.py kill_process_tree), skipping the rest of the clean-up. A
+        # loaded box needs longer than 5 s; the engine core still exits as soon as it can.
+        import psutil
+
+        try:
+            self._llm.shutdown(timeout=SHUTDOWN_GRACE_S)
+        except psutil.NoSuchProcess:
+            _finish_shutdown(self._llm)
 
     # ----- helpers -----
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
@@ -448,6 +459,33 @@ def span_versions(spans: Any, num_tokens: int) -> list[int]:
     if len(versions) != num_tokens:
         raise VLLMEngineError(f"weight version spans cover {len(versions)} of {num_tokens} tokens")
     return versions
+
+
+def _finish_shutdown(llm: Any) -> None:
+    """Finish an `AsyncLLM.shutdown` that vLLM's process-tree kill broke off: kill what is left of the
+    engine core processes and their children (tolerating any that exit meanwhile), then release the
+    client's sockets and its output handler, as the interrupted shutdown would have."""
+    import psutil
+
+    core = getattr(llm, "engine_core", None)
+    resources = getattr(core, "resources", None)
+    manager = getattr(resources, "engine_manager", None)
+    for proc in getattr(manager, "processes", ()):
+        if proc.pid is None or not proc.is_alive():
+            continue
+        try:
+            family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for member in reversed(family):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.kill()
+        proc.join(SHUTDOWN_GRACE_S)
+    if callable(resources):
+        resources()
+    handler = getattr(llm, "output_handler", None)
+    if handler is not None:
+        handler.cancel()
 
 
 def _error_output(request_id: str, prompt: list[int], message: str) -> RequestOutput:
