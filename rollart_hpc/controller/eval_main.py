@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from rollart_hpc.cluster.context import RunContext
+from rollart_hpc.cluster.mailbox import Pacer
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.contracts.rundir import RunLayout
@@ -32,12 +33,14 @@ def evaluate(controller: Controller, version: int) -> dict:
     """Play one round of `version` (the weights every rollout rank holds) to its end; its row."""
     mailbox, evaluator = controller.ctx.mailbox, controller.evaluator
     evaluator.start(version)
+    pacer = Pacer()
     while evaluator.active:
-        for msg in mailbox.poll():
+        messages = mailbox.poll()
+        for msg in messages:
             controller.handle(msg)
         controller.dispatch(training=False)
         mailbox.check()
-        time.sleep(0.0005)
+        pacer.sleep(bool(messages))
     return evaluator.rows[-1]
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollart_hpc.cluster.context import RunContext
-from rollart_hpc.cluster.mailbox import Mailbox
+from rollart_hpc.cluster.mailbox import Mailbox, Pacer
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.atomic import atomic_write_bytes
 from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
@@ -159,9 +159,10 @@ class EnvRank:
         atomic_write_bytes(target, json.dumps(report, indent=1, sort_keys=True).encode())
 
     async def pump(self) -> None:
-        mailbox = self.ctx.mailbox
+        mailbox, pacer = self.ctx.mailbox, Pacer()
         while not self.stopping or self.running:
-            for msg in mailbox.poll():
+            messages = mailbox.poll()
+            for msg in messages:
                 if msg.tag == Tag.DISPATCH:
                     self.start_episode(msg.payload)
                 elif msg.tag == Tag.CANCEL:
@@ -178,7 +179,7 @@ class EnvRank:
                 task.result()  # an exception in an episode task is a bug: surface it
             self.log_decision(self.client.router.maybe_adapt())
             mailbox.check()
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(pacer.pause_s(bool(messages)))
 
 
 async def serve(config: Config, ctx: RunContext, tokenizer: PreTrainedTokenizerBase) -> float:
