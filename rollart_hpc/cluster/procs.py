@@ -19,10 +19,12 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:  # the launcher asks this many times a second
+            stat = stat_file.read()
     except OSError:
         return True  # no procfs: signal 0 is all there is
-    return stat[stat.rfind(")") + 2 :][:1] != "Z"
+    state = stat.rfind(b")") + 2
+    return stat[state : state + 1] != b"Z"
 
 
 def children(pid: int) -> list[int]:

@@ -129,6 +129,7 @@ class WorldWatch:
         self.vanished: list[int] = []  # ranks whose process ended, in the order the launcher saw it
         self.vanished_at: dict[int, float] = {}  # rank -> wall time the launcher saw it gone
         self.over_since: float | None = None
+        self._pids: dict[int, int] = {}  # rank -> pid, read once from its pid file (written once a world)
 
     def finished(self, rank: int) -> bool:
         return rank_exit_path(self.run_dir, rank).exists()
@@ -144,7 +145,7 @@ class WorldWatch:
 
     def poll(self) -> bool:
         """Update; True once the world has been over for WORLD_END_GRACE_S (mpiexec should be gone)."""
-        note_vanished(self.run_dir, self.vanished)
+        self._note_vanished()
         for rank in self.vanished:
             self.vanished_at.setdefault(rank, time.time())
         if self.over_since is None and self.over():
@@ -153,6 +154,16 @@ class WorldWatch:
 
     def all_finished(self) -> bool:
         return all(self.finished(r) for r in range(self.world_size))
+
+    def _note_vanished(self) -> None:
+        if len(self._pids) < self.world_size:
+            for path in RunLayout(self.run_dir).pids.glob("rank-*.pid"):
+                rank = int(path.stem.split("-")[1])
+                if rank not in self._pids:
+                    self._pids[rank] = int(json.loads(path.read_text())["pid"])
+        for rank, pid in self._pids.items():
+            if rank not in self.vanished and not pid_alive(pid):
+                self.vanished.append(rank)
 
 
 def failure_ranks(run_dir: Path) -> set[int]:
@@ -165,12 +176,6 @@ class _TerminatedError(Exception):
 
 def _raise_terminated(signum: int, _frame: object) -> None:
     raise _TerminatedError(signal.Signals(signum).name)
-
-
-def note_vanished(run_dir: Path, vanished: list[int]) -> None:
-    for rank, pid in rank_pids(run_dir).items():
-        if rank not in vanished and not pid_alive(pid):
-            vanished.append(rank)
 
 
 def stop_session(proc: subprocess.Popen[bytes]) -> None:
