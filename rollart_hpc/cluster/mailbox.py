@@ -131,29 +131,3 @@ class Mailbox:
     def close(self) -> None:
         self._stop.set()
         self._beats.join()
-
-
-class Pacer:
-    """The pause between two passes of a role loop that polls its mailbox: `floor_s` after a pass that
-    found work, doubling with every idle pass up to `ceiling_s`.
-
-    A rank that waits (an env rank between episodes, a rollout engine without requests, the controller
-    while a step trains) then wakes about 1 / ceiling_s times a second instead of 1 / floor_s. Each wake is
-    an MPI probe and a pass of the loop; the ranks of several roles share a node's cores, so this is CPU
-    taken from the ranks that compute. The price is latency at the end of an idle spell only: the first
-    message after one waits at most `ceiling_s` (the cap `wait_for` has too), and a busy loop keeps the
-    floor."""
-
-    def __init__(self, floor_s: float = 0.0005, ceiling_s: float = 0.01) -> None:
-        if not 0 < floor_s <= ceiling_s:
-            raise ValueError(f"Pacer needs 0 < floor_s <= ceiling_s, got {floor_s} and {ceiling_s}")
-        self.floor_s, self.ceiling_s = floor_s, ceiling_s
-        self._pause_s = floor_s
-
-    def pause_s(self, busy: bool) -> float:
-        """How long to pause after a pass: the floor if it was `busy`, else twice the last pause (capped)."""
-        self._pause_s = self.floor_s if busy else min(2 * self._pause_s, self.ceiling_s)
-        return self._pause_s
-
-    def sleep(self, busy: bool) -> None:
-        time.sleep(self.pause_s(busy))

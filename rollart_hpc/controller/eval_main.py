@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from rollart_hpc.cluster.context import RunContext
-from rollart_hpc.cluster.mailbox import Pacer
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.contracts.rundir import RunLayout
@@ -33,14 +32,12 @@ def evaluate(controller: Controller, version: int) -> dict:
     """Play one round of `version` (the weights every rollout rank holds) to its end; its row."""
     mailbox, evaluator = controller.ctx.mailbox, controller.evaluator
     evaluator.start(version)
-    pacer = Pacer()
     while evaluator.active:
-        messages = mailbox.poll()
-        for msg in messages:
+        for msg in mailbox.poll():
             controller.handle(msg)
         controller.dispatch(training=False)
         mailbox.check()
-        pacer.sleep(bool(messages))
+        time.sleep(0.0005)
     return evaluator.rows[-1]
 
 

@@ -11,17 +11,17 @@ final version (after any round still running) before the run shuts down.
 
 from __future__ import annotations
 
-from rollart_hpc.cluster.mailbox import Pacer
+import time
+
 from rollart_hpc.controller import recovery
 from rollart_hpc.controller.state import Controller
 
 
 def run(controller: Controller) -> bool:
     """Run until the last step, or until a requested stop has been checkpointed (returns True then)."""
-    mailbox, core, pacer = controller.ctx.mailbox, controller.core, Pacer()
+    mailbox, core = controller.ctx.mailbox, controller.core
     while not core.done:
-        messages = mailbox.poll()
-        for msg in messages:
+        for msg in mailbox.poll():
             controller.handle(msg)
         recovery.complete_written(controller)
         if core.done:
@@ -36,7 +36,7 @@ def run(controller: Controller) -> bool:
         controller.dispatch()
         controller.train(recovery.checkpoint_due(controller))
         mailbox.check()
-        pacer.sleep(bool(messages))
+        time.sleep(0.0005)
     return False
 
 
@@ -44,10 +44,8 @@ def finish_evaluation(controller: Controller) -> None:
     """After the last step: let a running round finish, then evaluate the final version once every
     rollout engine holds it (nothing is trained any more; no training ticket is dispatched)."""
     mailbox, core, evaluator = controller.ctx.mailbox, controller.core, controller.evaluator
-    pacer = Pacer()
     while evaluator.active or evaluator.final_due(core.version):
-        messages = mailbox.poll()
-        for msg in messages:
+        for msg in mailbox.poll():
             controller.handle(msg)
         if controller.stop_requested.is_set():
             return  # the run is finished; its last evaluation is given up
@@ -55,4 +53,4 @@ def finish_evaluation(controller: Controller) -> None:
             controller.start_due_eval(final=True)
         controller.dispatch(training=False)
         mailbox.check()
-        pacer.sleep(bool(messages))
+        time.sleep(0.0005)

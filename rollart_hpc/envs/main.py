@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollart_hpc.cluster.context import RunContext
-from rollart_hpc.cluster.mailbox import Mailbox, Pacer
+from rollart_hpc.cluster.mailbox import Mailbox
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.atomic import atomic_write_bytes
 from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
@@ -159,10 +159,9 @@ class EnvRank:
         atomic_write_bytes(target, json.dumps(report, indent=1, sort_keys=True).encode())
 
     async def pump(self) -> None:
-        mailbox, pacer = self.ctx.mailbox, Pacer()
+        mailbox = self.ctx.mailbox
         while not self.stopping or self.running:
-            messages = mailbox.poll()
-            for msg in messages:
+            for msg in mailbox.poll():
                 if msg.tag == Tag.DISPATCH:
                     self.start_episode(msg.payload)
                 elif msg.tag == Tag.CANCEL:
@@ -179,7 +178,7 @@ class EnvRank:
                 task.result()  # an exception in an episode task is a bug: surface it
             self.log_decision(self.client.router.maybe_adapt())
             mailbox.check()
-            await asyncio.sleep(pacer.pause_s(bool(messages)))
+            await asyncio.sleep(0.001)
 
 
 async def serve(config: Config, ctx: RunContext, tokenizer: PreTrainedTokenizerBase) -> float:

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Protocol
 
 from rollart_hpc.cluster.context import RunContext
-from rollart_hpc.cluster.mailbox import Pacer
 from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.atomic import atomic_write_json
 from rollart_hpc.contracts.protocol import Tag
@@ -76,11 +75,9 @@ async def serve(ctx: RunContext, scorer: Scorer) -> float:
     clock, stopping = BusyClock(timeline), False
     tasks: set[asyncio.Task[None]] = set()
     scale_down = getattr(scorer, "maybe_scale_down", lambda: 0)
-    pacer = Pacer()
     try:
         while not stopping:
-            messages = ctx.mailbox.poll()
-            for msg in messages:
+            for msg in ctx.mailbox.poll():
                 if msg.tag == Tag.SCORE:
                     task = asyncio.create_task(_score_one(ctx, scorer, msg.payload, clock))
                     tasks.add(task)
@@ -89,7 +86,7 @@ async def serve(ctx: RunContext, scorer: Scorer) -> float:
                     stopping = True
             ctx.mailbox.check()
             scale_down()
-            await asyncio.sleep(pacer.pause_s(bool(messages)))
+            await asyncio.sleep(0.001)
     finally:
         for task in tasks:
             task.cancel()

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollart_hpc.cluster.context import RunContext
-from rollart_hpc.cluster.mailbox import Pacer
 from rollart_hpc.config.learning import TrainingConfig
 from rollart_hpc.config.roles import DEFAULT_POOL, RolloutPoolConfig
 from rollart_hpc.config.schema import Config, RolloutConfig
@@ -127,10 +126,8 @@ def serve(
     reported = engine.version
     busy_s, stopping = 0.0, False
     timeline = Timeline("rollout", ctx.world.rank)
-    pacer = Pacer()
     while not stopping or engine.has_unfinished():
-        messages = mailbox.poll()
-        for msg in messages:
+        for msg in mailbox.poll():
             if msg.tag == Tag.GENERATE:
                 request_id, prompt, sampling = msg.payload
                 held.add(request_id, msg.source, len(prompt) + sampling.max_tokens)
@@ -157,7 +154,7 @@ def serve(
         elif engine.has_staged_weights():
             engine.step()  # an idle engine swaps staged weights at once
         else:
-            pacer.sleep(bool(messages))
+            time.sleep(0.0005)
         if engine.version != reported:
             reported = engine.version
             mailbox.send(reported, 0, Tag.LOADED)
