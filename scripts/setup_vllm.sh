@@ -37,8 +37,10 @@ PYEOF
 printf 'torch==2.13.0\ntriton==3.7.1\n' >"$work/constraints.txt"
 "${PIP[@]}" -r "$work/reqs.txt" -c "$work/constraints.txt"
 # The project with all its dependencies (megatron-core, textworld... for the other roles of a run), under
-# the versions vLLM resolved: every role of `launch.py run ... rollout.engine=vllm` runs in this venv.
+# the versions vLLM resolved: every role of `launch.py run ... rollout.engine=vllm` runs in this venv. Its
+# editable install writes rollart_hpc.egg-info here: under a lock on this folder, so that scripts/setup.sh
+# can run at the same time.
 "${UV[@]}" freeze --python "$VENV/bin/python" --exclude-editable | grep -v '^rollart' >>"$work/constraints.txt"
-"${PIP[@]}" -e ".[dev]" -c "$work/constraints.txt"
+flock . "${PIP[@]}" -e ".[dev]" -c "$work/constraints.txt"
 "$VENV/bin/python" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
 echo "setup_vllm done in $(( $(date +%s) - start )) s: $VENV/bin/python -m pytest -m vllm tests/test_vllm_*.py"
