@@ -335,10 +335,14 @@ def _wait_gone(job_id: str, timeout_s: float) -> None:
 @pytest.mark.slow
 @NEEDS_SLURM_CLIENT
 def test_slurm_array_element_stopped_by_usr2_is_requeued_and_resumes(tmp_path: Path) -> None:
-    """Preemption of an element (`scancel --signal=USR2`): it checkpoints, requeues itself and finishes."""
-    out = tmp_path / "pre"
+    """Preemption of an element (`scancel --signal=USR2`): it checkpoints, requeues itself and finishes.
+
+    The signal goes out once 2 steps are in; the 38 left take over 10 s on a quiet box (0.3 s a step), over
+    10 times what seeing the rows (polled every 0.5 s) and sending the signal take."""
+    out, num_steps = tmp_path / "pre", 40
     sets = list(ON_PARTITION_ALL)
-    sets += ["--set", "controller.num_steps=10", "--set", "trainer.sft_steps=1"]
+    sets += ["--set", f"controller.num_steps={num_steps}", "--set", "trainer.sft_steps=1"]
+    sets += ["--set", "controller.checkpoint_every_steps=0"]  # the signal's checkpoint only
     sets += ["--set", "controller.eval_every_steps=0", "--set", "cluster.peer_timeout_s=300"]
     start = time.monotonic()
     proc = _cli("sweep", "configs/tiny.toml", "--out", str(out), "--slurm", *sets, "--time-min", "20")
@@ -357,5 +361,5 @@ def test_slurm_array_element_stopped_by_usr2_is_requeued_and_resumes(tmp_path: P
     assert "the run stopped at a checkpoint: requeue job" in log and "restart 1 on" in log, log[-3000:]
     assert "resumed from" in log and "[slurm] run finished" in log, log[-3000:]
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert steps == list(range(10))
+    assert steps == list(range(num_steps))
     print(f"slurm array element stopped, requeued and finished: {time.monotonic() - start:.1f}s")
