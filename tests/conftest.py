@@ -30,10 +30,10 @@ def python() -> str:
 
 
 # The slurm-marked tests share the two nodes of the local test cluster: a job queued behind another test's
-# job would wait for it, and some tests expect both nodes idle. Under pytest-xdist they therefore run one at
-# a time. With `--dist loadgroup` (the README's test command) they are one unit of work, in the group
-# "slurm", on one worker; under any other distribution an exclusive lock on one file serialises them,
-# whichever worker holds them (a worker then waits on it, idle).
+# job would wait for it, and some tests expect both nodes idle. Under pytest-xdist (`-n 2`) they therefore
+# run one at a time, whichever worker holds them, through an exclusive lock on one file. (xdist 3.8's
+# `--dist loadgroup` would put them on one worker, but under pytest 9.2 it groups nothing: it renames items
+# through the `_nodeid` attribute that pytest 9 no longer reads.)
 SLURM_TEST_LOCK = Path(tempfile.gettempdir()) / "rollart-hpc-slurm-tests.lock"
 
 
@@ -41,14 +41,10 @@ def _runs_a_world(item: pytest.Item) -> bool:
     return any(item.get_closest_marker(name) is not None for name in ("mpi", "slurm", "slow"))
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group the slurm-marked tests (see above), and hand out the long tests (whole runs, real models:
-    marked mpi, slurm or slow) before the ~1100 short ones, so that the workers finish together instead of
-    one running a long test alone at the end. The sort is stable: the order within each kind is kept."""
-    for item in items:
-        if item.get_closest_marker("slurm") is not None:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+    """Hand out the long tests (whole runs, real models: marked mpi, slurm or slow) before the ~1100 short
+    ones, so that the workers finish together instead of one running a long test alone at the end. The sort
+    is stable: the order within each kind is kept."""
     items.sort(key=lambda item: not _runs_a_world(item))
 
 
