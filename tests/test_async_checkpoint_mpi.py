@@ -66,6 +66,7 @@ def _worker(model_dir: str, out: str, store: str, mode: str) -> None:
 
 def _run(num_ranks: int, model_dir: Path, out: Path, mode: str) -> subprocess.CompletedProcess[str]:
     from rollart_hpc.cluster.mpiexec import mpi_environment
+    from rollart_hpc.cluster.supervise import kill_group
 
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     cmd = [mpiexec, "-n", str(num_ranks), "--oversubscribe", sys.executable, __file__]
@@ -84,6 +85,10 @@ def _run(num_ranks: int, model_dir: Path, out: Path, mode: str) -> subprocess.Co
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    # A killed rank's helpers (dist_checkpointing's Manager and its resource tracker) outlive it, in the
+    # process group the rank leads (mpiexec starts each rank in its own): end them, as the launcher does.
+    for pid_file in out.glob("pid-*"):
+        kill_group(int(pid_file.read_text()))
     return subprocess.CompletedProcess(cmd, proc.returncode, logs.read_text(), "")
 
 
