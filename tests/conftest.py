@@ -30,36 +30,9 @@ def python() -> str:
 
 
 # The slurm-marked tests share the two nodes of the local test cluster: a job queued behind another test's
-# job would wait for it, and some tests expect both nodes idle. Under pytest-xdist they therefore run one at
-# a time. With `--dist loadgroup` (the README's test command) they are one unit of work, the group "slurm",
-# on one worker; under any other distribution an exclusive lock on one file serialises them, whichever
-# worker holds them (a worker waiting on it is idle).
+# job would wait for it, and some tests expect both nodes idle. Under pytest-xdist (`-n 2`) they therefore
+# run one at a time, whichever worker holds them, through an exclusive lock on one file.
 SLURM_TEST_LOCK = Path(tempfile.gettempdir()) / "rollart-hpc-slurm-tests.lock"
-
-
-def _runs_a_world(item: pytest.Item) -> bool:
-    return any(item.get_closest_marker(name) is not None for name in ("mpi", "slurm", "slow"))
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Hand out the long tests (whole runs, real models: marked mpi, slurm or slow) before the ~1100 short
-    ones, so that the workers finish together instead of one running a long test alone at the end. The sort
-    is stable: the order within each kind is kept. On an xdist worker under `--dist loadgroup`, group the
-    slurm-marked tests."""
-    items.sort(key=lambda item: not _runs_a_world(item))
-    if getattr(config.option, "loadgroup", False):
-        _group_slurm_tests(items)
-
-
-def _group_slurm_tests(items: list[pytest.Item]) -> None:
-    """xdist's loadgroup puts the items whose node ids end in `@<group>` on one worker. Its own hook adds the
-    suffix from `xdist_group` marks through `item._nodeid`, which pytest 9 no longer reads (node ids live in
-    `item._id`), so under pytest 9.2 it groups nothing; the suffix is set here instead."""
-    from _pytest.nodeid import NodeId
-
-    for item in items:
-        if item.get_closest_marker("slurm") is not None and not item.nodeid.endswith("@slurm"):
-            item._id = NodeId.parse(f"{item.nodeid}@slurm")
 
 
 @pytest.fixture(autouse=True)
