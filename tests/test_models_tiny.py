@@ -196,6 +196,9 @@ def test_smollm2_import_answers_a_chat_prompt(tmp_path: Path) -> None:
     from rollart_hpc.inference.engine import LLMEngine
 
     out = smollm2.import_smollm2(tmp_path / "smollm2")
+    from test_models_tokenizer import assert_same_tokenizer
+
+    assert_same_tokenizer(out)  # the direct load (llama, TokenizersBackend) is what AutoTokenizer gives
     config = load_config(out)
     assert (config.num_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
     engine = LLMEngine.from_pretrained(out, num_slots=2, max_model_len=256)

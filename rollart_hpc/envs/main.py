@@ -199,10 +199,10 @@ async def serve(config: Config, ctx: RunContext, tokenizer: PreTrainedTokenizerB
 
 
 def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
-    from transformers import AutoTokenizer
+    from rollart_hpc.models.tokenizer import load_tokenizer
 
     start: WorkerStart = ctx.mailbox.wait_for(Tag.START, source=0).payload
-    tokenizer = AutoTokenizer.from_pretrained(Path(start.model_dir))
+    tokenizer = load_tokenizer(Path(start.model_dir))
     ctx.mailbox.send(Ready(), 0, Tag.READY)
     busy_s = asyncio.run(serve(config, ctx, tokenizer))
     ctx.mailbox.send(RankStats("env", busy_s), 0, Tag.STATS)

@@ -500,6 +500,6 @@ def _empty_like(weights: PackedWeights) -> PackedWeights:
 def _load_tokenizer(model_dir: Path) -> Any | None:
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
         return None
-    from transformers import AutoTokenizer
+    from rollart_hpc.models.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return load_tokenizer(model_dir)

@@ -238,8 +238,8 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
 
     group = join_run_weight_group(ctx)  # first of all, as the rollout ranks do (None off the first trainer)
     import torch
-    from transformers import AutoTokenizer
 
+    from rollart_hpc.models.tokenizer import load_tokenizer
     from rollart_hpc.train.trainer import HF_MARKER, Trainer
 
     torch.set_num_threads(config.trainer.num_threads)
@@ -256,7 +256,7 @@ def main(config: Config, ctx: RunContext, run_dir: Path) -> None:
     trainer = Trainer(model_init, sft)
     started = time.perf_counter()
     if start.resume is None:
-        warm_start(config, ctx, trainer, AutoTokenizer.from_pretrained(model_init))
+        warm_start(config, ctx, trainer, load_tokenizer(model_init))
         if config.trainer.rl_fresh_optimizer:
             trainer.reset_optimizer()
         current = RunLayout(run_dir).model / "warm"
