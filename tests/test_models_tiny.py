@@ -211,3 +211,33 @@ def test_smollm2_import_answers_a_chat_prompt(tmp_path: Path) -> None:
     while engine.has_unfinished():
         outs.extend(engine.step())
     assert outs[0].finish_reason == "stop" and "Paris" in outs[0].text
+
+
+def test_a_cached_tiny_model_equals_a_built_one_and_is_built_once(tmp_path: Path, monkeypatch) -> None:
+    from rollart_hpc.models import tiny
+
+    shape = dict(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=64)
+    built = make_tiny_model(tmp_path / "built", corpus=CORPUS, seed=3, **shape)
+    cache = tmp_path / "cache"
+    first = tiny.cached_tiny_model(tmp_path / "first", cache, corpus=CORPUS, seed=3, **shape)
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(tiny, "make_tiny_model", no_build)
+    second = tiny.cached_tiny_model(tmp_path / "second", cache, corpus=iter(CORPUS), seed=3, **shape)
+    for out in (first, second):
+        files = sorted(p.name for p in out.iterdir())
+        assert files == sorted(p.name for p in built.iterdir())
+        assert all((out / name).read_bytes() == (built / name).read_bytes() for name in files), out
+    # another seed or corpus is another entry; an entry that lost a file is built again
+    with pytest.raises(AssertionError, match="built again"):
+        tiny.cached_tiny_model(tmp_path / "other", cache, corpus=CORPUS, seed=4, **shape)
+    with pytest.raises(AssertionError, match="built again"):
+        tiny.cached_tiny_model(tmp_path / "other", cache, corpus=CORPUS[:-1], seed=3, **shape)
+    (entry,) = (cache / "tiny-models").iterdir()
+    (entry / "model.safetensors").unlink()
+    monkeypatch.undo()
+    again = tiny.cached_tiny_model(tmp_path / "again", cache, corpus=CORPUS, seed=3, **shape)
+    assert (again / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
+    assert [p.name for p in (cache / "tiny-models").iterdir()] == [entry.name]

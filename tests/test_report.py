@@ -199,3 +199,20 @@ def test_report_cli_names_a_directory_that_is_not_a_run(tmp_path, capsys):
     run = synthetic_run(tmp_path)
     assert cli_main(["report", str(run)]) == 0
     assert (run / "report" / "report.md").exists()
+
+
+def test_metrics_rows_are_tensorboard_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rollart_hpc.metrics.run_metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path)
+    writer.log({"step": 0, "loss": 0.5, "trained_trajectories": 4, "balanced": True, "arm": "spo"})
+    writer.log({"step": 1, "loss": 0.25, "trained_trajectories": 8})
+    writer.close()
+    assert [row["step"] for row in read_rows(tmp_path / "metrics.jsonl")] == [0, 1]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["loss", "trained_trajectories"]  # numbers only, not the step
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(0, 0.5), (1, 0.25)]
+    assert [(e.step, e.value) for e in events.Scalars("trained_trajectories")] == [(0, 4.0), (1, 8.0)]

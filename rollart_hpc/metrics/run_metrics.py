@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,18 +28,26 @@ class MetricsWriter:
         self._fh = self.path.open("a", encoding="utf-8")
         self._tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            # tensorboard's own event writer (what torch.utils.tensorboard wraps), without importing torch
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-            self._tb = SummaryWriter(str(RunLayout(run_dir).tensorboard))
+            self._tb = EventFileWriter(str(RunLayout(run_dir).tensorboard))
 
     def log(self, row: Mapping[str, Any]) -> None:
         self._fh.write(json.dumps(row, sort_keys=True) + "\n")
         self._fh.flush()
         if self._tb is not None:
-            step = int(row["step"])
-            for key, value in row.items():
-                if isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
-                    self._tb.add_scalar(key, value, step)
+            from tensorboard.compat.proto.event_pb2 import Event
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            values = [
+                Summary.Value(tag=key, simple_value=float(value))
+                for key, value in row.items()
+                if isinstance(value, int | float) and not isinstance(value, bool) and key != "step"
+            ]
+            self._tb.add_event(
+                Event(wall_time=time.time(), step=int(row["step"]), summary=Summary(value=values))
+            )
             self._tb.flush()
 
     def close(self) -> None:

@@ -12,7 +12,13 @@ loads with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrain
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import tempfile
 from collections.abc import Iterable
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -206,3 +212,62 @@ def make_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+# Files of a complete model directory; a cached one without them is built again.
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# Packages whose versions shape the written files (tokenizer training, weight init, serialisation).
+KEY_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
+
+
+def default_cache_dir() -> Path:
+    """`$ROLLART_HPC_CACHE`, else `$XDG_CACHE_HOME/rollart_hpc`, else `~/.cache/rollart_hpc`."""
+    if os.environ.get("ROLLART_HPC_CACHE"):
+        return Path(os.environ["ROLLART_HPC_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rollart_hpc"
+
+
+def tiny_model_key(corpus: Iterable[str] | None, **kwargs: Any) -> str:
+    """What decides `make_tiny_model`'s files: its arguments, the corpus in order, this module's source
+    and the versions of the packages that write them."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(json.dumps(kwargs, sort_keys=True, default=repr).encode())
+    h.update(json.dumps({name: metadata.version(name) for name in KEY_PACKAGES}).encode())
+    for text in DEFAULT_CORPUS if corpus is None else corpus:
+        h.update(len(text.encode()).to_bytes(8, "little") + text.encode())
+    return h.hexdigest()[:32]
+
+
+def cached_tiny_model(
+    out_dir: str | Path, cache_dir: Path | None = None, corpus: Iterable[str] | None = None, **kwargs: Any
+) -> Path:
+    """`make_tiny_model(out_dir, corpus=corpus, **kwargs)`, copied from `cache_dir/tiny-models/KEY` when an
+    earlier call built the same files (`tiny_model_key`); a miss builds there first (temp dir, rename, so
+    concurrent builders of one key leave one complete copy). Building takes seconds of CPU (transformers'
+    model classes, tokenizer training); a copy, milliseconds."""
+    texts = None if corpus is None else list(corpus)
+    entry = (cache_dir or default_cache_dir()) / "tiny-models" / tiny_model_key(texts, **kwargs)
+    try:
+        _fill(entry, texts, kwargs)
+    except OSError:  # no writable cache (a read-only home on a compute node): build in place
+        return make_tiny_model(out_dir, corpus=texts, **kwargs)
+    out = Path(out_dir)
+    shutil.copytree(entry, out)
+    return out
+
+
+def _fill(entry: Path, texts: list[str] | None, kwargs: dict[str, Any]) -> None:
+    if not all((entry / name).is_file() for name in MODEL_FILES):
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=entry.parent))
+        try:
+            make_tiny_model(scratch / "model", corpus=texts, **kwargs)
+            if entry.exists():
+                shutil.rmtree(entry)  # incomplete: a copy that lost files
+            try:
+                (scratch / "model").rename(entry)
+            except OSError:  # another builder renamed its complete copy first
+                if not all((entry / name).is_file() for name in MODEL_FILES):
+                    raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
