@@ -241,3 +241,10 @@ def test_a_cached_tiny_model_equals_a_built_one_and_is_built_once(tmp_path: Path
     again = tiny.cached_tiny_model(tmp_path / "again", cache, corpus=CORPUS, seed=3, **shape)
     assert (again / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
     assert [p.name for p in (cache / "tiny-models").iterdir()] == [entry.name]
+    # beyond CACHE_ENTRIES the least recently used entries go
+    monkeypatch.setattr(tiny, "CACHE_ENTRIES", 2)
+    tiny.cached_tiny_model(tmp_path / "s4", cache, corpus=CORPUS, seed=4, **shape)
+    tiny.cached_tiny_model(tmp_path / "hit", cache, corpus=CORPUS, seed=3, **shape)  # used after seed 4's
+    tiny.cached_tiny_model(tmp_path / "s5", cache, corpus=CORPUS, seed=5, **shape)
+    keys = {tiny.tiny_model_key(CORPUS, seed=seed, **shape) for seed in (3, 5)}
+    assert {p.name for p in (cache / "tiny-models").iterdir()} == keys

@@ -96,8 +96,14 @@ def start(run_dir, *overrides):
     return start_run(run_dir, "--max-restarts", "2", "controller.mode=sync", *overrides)
 
 
-def kill_env_when(run_dir, ready, old_pid=None):
-    wait_until(lambda: ready() and env_pid(run_dir) not in (None, old_pid), 400, 0.1)
+def kill_env_when(run_dir, ready, old_pid=None, proc=None):
+    def env_up():
+        if proc is not None and proc.poll() is not None:  # the launcher ended: say why, do not wait on
+            out, err = proc.communicate()
+            raise AssertionError(f"the launcher exited {proc.returncode}:\n{out[-2000:]}\n{err[-3000:]}")
+        return ready() and env_pid(run_dir) not in (None, old_pid)
+
+    wait_until(env_up, 400, 0.1)
     pid = env_pid(run_dir)
     os.kill(pid, signal.SIGKILL)
     return pid
@@ -109,7 +115,9 @@ def test_killed_rank_is_restarted_from_its_checkpoint(tmp_path):
     run_dir = tmp_path / "restarted"
     proc = start(run_dir, "controller.num_steps=4", "controller.checkpoint_every_steps=1")
     try:
-        kill_env_when(run_dir, lambda: ckpt.latest(run_dir) is not None and len(metric_lines(run_dir)) >= 2)
+        kill_env_when(
+            run_dir, lambda: ckpt.latest(run_dir) is not None and len(metric_lines(run_dir)) >= 2, proc=proc
+        )
         out, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -135,9 +143,9 @@ def test_failure_repeating_at_the_same_step_stops_restarts(tmp_path):
         run_dir, "controller.num_steps=60", "controller.checkpoint_every_steps=0"
     )  # killed long before the end
     try:
-        first = kill_env_when(run_dir, lambda: len(metric_lines(run_dir)) >= 1)
+        first = kill_env_when(run_dir, lambda: len(metric_lines(run_dir)) >= 1, proc=proc)
         wait_until(lambda: (run_dir / RESTARTS).exists(), 400, 0.1)
-        kill_env_when(run_dir, lambda: True, old_pid=first)
+        kill_env_when(run_dir, lambda: True, old_pid=first, proc=proc)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

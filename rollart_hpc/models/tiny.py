@@ -218,6 +218,8 @@ def make_tiny_model(
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 # Packages whose versions shape the written files (tokenizer training, weight init, serialisation).
 KEY_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
+# Entries the cache keeps: the most recently used (a tiny model of the default shape is about 0.4 MB).
+CACHE_ENTRIES = 64
 
 
 def default_cache_dir() -> Path:
@@ -249,6 +251,7 @@ def cached_tiny_model(
     entry = (cache_dir or default_cache_dir()) / "tiny-models" / tiny_model_key(texts, **kwargs)
     try:
         _fill(entry, texts, kwargs)
+        os.utime(entry)  # used now: the last to be evicted
     except OSError:  # no writable cache (a read-only home on a compute node): build in place
         return make_tiny_model(out_dir, corpus=texts, **kwargs)
     out = Path(out_dir)
@@ -271,3 +274,17 @@ def _fill(entry: Path, texts: list[str] | None, kwargs: dict[str, Any]) -> None:
                     raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+        _evict(entry.parent, keep=entry)
+
+
+def _evict(root: Path, keep: Path) -> None:
+    """Remove the least recently used entries of `root` beyond `CACHE_ENTRIES`."""
+    entries = []
+    for path in root.iterdir():
+        try:
+            entries.append((path.stat().st_mtime, path))
+        except OSError:  # removed meanwhile by another process
+            continue
+    entries = [e for e in entries if not e[1].name.startswith(".") and e[1] != keep]
+    for _, path in sorted(entries, reverse=True)[CACHE_ENTRIES - 1 :]:
+        shutil.rmtree(path, ignore_errors=True)
