@@ -236,11 +236,33 @@ def test_a_cached_tiny_model_equals_a_built_one_and_is_built_once(tmp_path: Path
     with pytest.raises(AssertionError, match="built again"):
         tiny.cached_tiny_model(tmp_path / "other", cache, corpus=CORPUS[:-1], seed=3, **shape)
     (entry,) = (cache / "tiny-models").iterdir()
-    (entry / "model.safetensors").unlink()
+    assert "model.safetensors" in (entry / tiny.MANIFEST).read_text()
     monkeypatch.undo()
-    again = tiny.cached_tiny_model(tmp_path / "again", cache, corpus=CORPUS, seed=3, **shape)
-    assert (again / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
-    assert [p.name for p in (cache / "tiny-models").iterdir()] == [entry.name]
+    builds = []
+    monkeypatch.setattr(tiny, "make_tiny_model", lambda *a, **k: builds.append(1) or make_tiny_model(*a, **k))
+
+    def lose(path: Path) -> None:
+        path.unlink()
+
+    def flip(path: Path) -> None:  # one byte altered, the size kept
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    def truncate(path: Path) -> None:
+        path.write_bytes(path.read_bytes()[:-7])
+
+    # an entry that lost a file, or holds an altered one, or a damaged manifest, is built again
+    damages = [(lose, "model.safetensors"), (flip, "model.safetensors"), (flip, "tokenizer.json")]
+    damages += [(truncate, tiny.MANIFEST), (lose, tiny.MANIFEST)]
+    for i, (damage, name) in enumerate(damages):
+        damage(entry / name)
+        again = tiny.cached_tiny_model(tmp_path / f"again{i}", cache, corpus=CORPUS, seed=3, **shape)
+        assert len(builds) == i + 1, (damage, name)
+        assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in built.iterdir())
+        assert all((again / p.name).read_bytes() == p.read_bytes() for p in built.iterdir()), (damage, name)
+        assert [p.name for p in (cache / "tiny-models").iterdir()] == [entry.name]
+    monkeypatch.undo()
     # beyond CACHE_ENTRIES the least recently used entries go
     monkeypatch.setattr(tiny, "CACHE_ENTRIES", 2)
     tiny.cached_tiny_model(tmp_path / "s4", cache, corpus=CORPUS, seed=4, **shape)

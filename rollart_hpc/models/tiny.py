@@ -214,8 +214,10 @@ def make_tiny_model(
     return out
 
 
-# Files of a complete model directory; a cached one without them is built again.
+# Files of a complete model directory.
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# A cache entry's checksums of its files (`sha256sum -c` reads it); an entry whose files differ is built again.
+MANIFEST = "files.sha256"
 # Packages whose versions shape the written files (tokenizer training, weight init, serialisation).
 KEY_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
 # Entries the cache keeps: the most recently used (a tiny model of the default shape is about 0.4 MB).
@@ -245,32 +247,75 @@ def cached_tiny_model(
 ) -> Path:
     """`make_tiny_model(out_dir, corpus=corpus, **kwargs)`, copied from `cache_dir/tiny-models/KEY` when an
     earlier call built the same files (`tiny_model_key`); a miss builds there first (temp dir, rename, so
-    concurrent builders of one key leave one complete copy). Building takes seconds of CPU (transformers'
-    model classes, tokenizer training); a copy, milliseconds."""
+    concurrent builders of one key leave one complete copy). The copy is checked against the entry's
+    checksums (`MANIFEST`); an entry with a lost, truncated or altered file is built again. Building takes
+    seconds of CPU (transformers' model classes, tokenizer training); a copy, milliseconds."""
     texts = None if corpus is None else list(corpus)
     entry = (cache_dir or default_cache_dir()) / "tiny-models" / tiny_model_key(texts, **kwargs)
-    try:
-        _fill(entry, texts, kwargs)
-        os.utime(entry)  # used now: the last to be evicted
-    except OSError:  # no writable cache (a read-only home on a compute node): build in place
-        return make_tiny_model(out_dir, corpus=texts, **kwargs)
     out = Path(out_dir)
-    shutil.copytree(entry, out)
-    return out
+    try:
+        for _ in range(2):  # a second try after a damaged entry, rebuilt by the first
+            _fill(entry, texts, kwargs)
+            os.utime(entry)  # used now: the last to be evicted
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(entry, out, ignore=shutil.ignore_patterns(MANIFEST))
+            if _checksums(out) == _manifest(entry):
+                return out
+            _discard(entry)
+    except OSError:  # no writable cache (a read-only home on a compute node): build in place
+        pass
+    shutil.rmtree(out, ignore_errors=True)
+    return make_tiny_model(out, corpus=texts, **kwargs)
+
+
+def _checksums(model_dir: Path) -> dict[str, str]:
+    """sha256 of every file of `model_dir` but the manifest."""
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(model_dir.iterdir())
+        if path.is_file() and path.name != MANIFEST
+    }
+
+
+def _manifest(entry: Path) -> dict[str, str] | None:
+    """The checksums an entry recorded when it was built (`sha256sum` lines); None when the manifest is
+    missing, unreadable or lacks one of `MODEL_FILES`."""
+    try:
+        lines = (entry / MANIFEST).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    sums = {}
+    for line in lines:
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64:
+            return None
+        sums[name] = digest
+    return sums if set(MODEL_FILES) <= set(sums) else None
+
+
+def _discard(entry: Path) -> None:
+    """Move a damaged entry aside and remove it, so no reader copies it half deleted."""
+    trash = entry.with_name(f".discard-{entry.name}-{os.getpid()}")
+    try:
+        entry.rename(trash)
+    except OSError:  # gone already, or replaced by another process
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _fill(entry: Path, texts: list[str] | None, kwargs: dict[str, Any]) -> None:
-    if not all((entry / name).is_file() for name in MODEL_FILES):
+    if _manifest(entry) is None:
         entry.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=entry.parent))
         try:
-            make_tiny_model(scratch / "model", corpus=texts, **kwargs)
-            if entry.exists():
-                shutil.rmtree(entry)  # incomplete: a copy that lost files
+            model = make_tiny_model(scratch / "model", corpus=texts, **kwargs)
+            lines = (f"{digest}  {name}\n" for name, digest in _checksums(model).items())
+            (model / MANIFEST).write_text("".join(lines))
+            _discard(entry)  # incomplete: a copy without its manifest
             try:
-                (scratch / "model").rename(entry)
+                model.rename(entry)
             except OSError:  # another builder renamed its complete copy first
-                if not all((entry / name).is_file() for name in MODEL_FILES):
+                if _manifest(entry) is None:
                     raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
