@@ -30,6 +30,7 @@ from rollart_hpc.config.schema import Config
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.models.config import ModelConfig, config_from_dict
 from rollart_hpc.plan.gpus import GpuSpec, gpu_spec
+from rollart_hpc.plan.memory import kv_bytes_per_token, model_params
 from rollart_hpc.sim.model import PoolModel, Scenario
 from rollart_hpc.sim.profile import EpisodeShape, Profile
 from rollart_hpc.sim.workload import mean_context
@@ -78,16 +79,12 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> ModelShape:
-        h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-        q = cfg.num_heads * cfg.head_dim
-        kv = cfg.num_kv_heads * cfg.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
-        embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+        """The memory plan's counts (`plan.memory`): the HF model's parameters, bf16 KV bytes per token."""
         return cls(
-            params=float(layers * per_layer + embed),
-            layers=layers,
-            hidden=h,
-            kv_bytes_per_token=float(2 * layers * kv * BF16),
+            params=float(model_params(cfg)),
+            layers=cfg.num_layers,
+            hidden=cfg.hidden_size,
+            kv_bytes_per_token=float(kv_bytes_per_token(cfg, BF16)),
         )
 
 
