@@ -63,6 +63,7 @@ from rollart_hpc.inference.engines import engine_dtype
 from rollart_hpc.inference.vllm_staging import StagingBuffer, chunk_layouts
 from rollart_hpc.inference.vllm_worker import BEGIN_METHOD, FINISH_METHOD, LOAD_METHOD
 from rollart_hpc.models.config import load_config
+from rollart_hpc.plan.memory import kv_bytes_per_token
 
 T = TypeVar("T")
 WORKER_EXTENSION = "rollart_hpc.inference.vllm_worker.RollartWorkerExtension"
@@ -565,7 +566,7 @@ def engine_arg_values(
 def cpu_kv_cache_bytes(model_dir: Path, num_slots: int, max_model_len: int) -> int:
     """KV-cache bytes for `num_slots` full-length sequences (2x headroom, at least 64 MiB) of the model."""
     cfg = load_config(model_dir)  # head_dim as the family defines it (Qwen3: explicit, 128 if absent)
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, fp32 at most
+    per_token = kv_bytes_per_token(cfg, 4)  # fp32 at most
     return max(2 * num_slots * max_model_len * per_token, 64 << 20)
 
 
