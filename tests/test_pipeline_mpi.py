@@ -97,6 +97,18 @@ def test_trainer_log_probs_equal_the_behaviour_log_probs_at_the_sampling_tempera
     assert row["is_weight"] == pytest.approx(1.0, abs=1e-5)
 
 
+def test_the_console_of_a_first_run_is_quiet(tmp_path, monkeypatch):
+    """What a user sees on a fresh machine (the tiny model built, not copied from the cache): every line a
+    log line of the run or its summary table, the table once; no warning from any rank, no progress bar."""
+    monkeypatch.setenv("ROLLART_HPC_CACHE", str(tmp_path / "cache"))
+    result = launch("run", "configs/tiny.toml", "--run-dir", tmp_path / "run", "controller.num_steps=1")
+    console = result.stdout + result.stderr
+    assert (tmp_path / "cache/tiny-models").is_dir()  # this run built the model
+    for noise in ("Warning", "warn(", "it/s]", "%|"):
+        assert noise not in console, [line for line in console.splitlines() if noise in line]
+    assert sum("trajectories trained" in line for line in console.splitlines()) == 1, console[-3000:]
+
+
 def assert_complete_once(run_dir, num_steps, batch):
     summary = read_summary(run_dir)
     assert summary["balanced"]

@@ -181,6 +181,7 @@ def make_tiny_model(
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
 
     out = Path(out_dir)
     tokenizer = make_tiny_tokenizer(corpus, vocab_size=vocab_size)
@@ -209,7 +210,13 @@ def make_tiny_model(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar in a run's console
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out)
     return out
 
