@@ -263,6 +263,14 @@ def test_a_cached_tiny_model_equals_a_built_one_and_is_built_once(tmp_path: Path
         assert all((again / p.name).read_bytes() == p.read_bytes() for p in built.iterdir()), (damage, name)
         assert [p.name for p in (cache / "tiny-models").iterdir()] == [entry.name]
     monkeypatch.undo()
+    # a directory that exists already is written in place, nothing in it removed
+    (tmp_path / "existing").mkdir()
+    (tmp_path / "existing/notes.txt").write_text("mine")
+    tiny.cached_tiny_model(tmp_path / "existing", cache, corpus=CORPUS, seed=3, **shape)
+    assert (tmp_path / "existing/notes.txt").read_text() == "mine"
+    assert (tmp_path / "existing/model.safetensors").read_bytes() == (
+        built / "model.safetensors"
+    ).read_bytes()
     # beyond CACHE_ENTRIES the least recently used entries go
     monkeypatch.setattr(tiny, "CACHE_ENTRIES", 2)
     tiny.cached_tiny_model(tmp_path / "s4", cache, corpus=CORPUS, seed=4, **shape)

@@ -260,18 +260,19 @@ def cached_tiny_model(
     texts = None if corpus is None else list(corpus)
     entry = (cache_dir or default_cache_dir()) / "tiny-models" / tiny_model_key(texts, **kwargs)
     out = Path(out_dir)
+    if out.exists():  # copies go to a new directory; an existing one is written as make_tiny_model does
+        return make_tiny_model(out, corpus=texts, **kwargs)
     try:
         for _ in range(2):  # a second try after a damaged entry, rebuilt by the first
             _fill(entry, texts, kwargs)
             os.utime(entry)  # used now: the last to be evicted
-            shutil.rmtree(out, ignore_errors=True)
             shutil.copytree(entry, out, ignore=shutil.ignore_patterns(MANIFEST))
             if _checksums(out) == _manifest(entry):
                 return out
+            shutil.rmtree(out)
             _discard(entry)
     except OSError:  # no writable cache (a read-only home on a compute node): build in place
-        pass
-    shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)  # a partial copy, made by this call
     return make_tiny_model(out, corpus=texts, **kwargs)
 
 
