@@ -14,6 +14,13 @@ SRUN_EXITED_0 = "[slurm] step exited with status 0"
 HUNG_SRUN_FINISHED = "[slurm] every rank had finished before srun hung: the step counts as a success"
 
 
+def job_log(path: Path) -> str:
+    """A job's output file. The ranks of a step share it and srun forwards their output in chunks, not
+    lines, so one rank's bytes can land inside another's multi-byte character (the summary table's box
+    drawing): such bytes read as U+FFFD rather than failing the read."""
+    return path.read_text(errors="replace")
+
+
 def step_succeeded(log: str) -> bool:
     return SRUN_EXITED_0 in log or HUNG_SRUN_FINISHED in log
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from slurm_logs import step_succeeded
+from slurm_logs import job_log, step_succeeded
 
 from rollart_hpc.cluster.jobs import JOB_RECORD, sbatch
 from rollart_hpc.cluster.plan import make_plan
@@ -67,7 +67,7 @@ def _wait_done(job_id: str, log: Path) -> None:
 
 
 def _tail(path: Path) -> str:
-    return path.read_text()[-3000:] if path.exists() else "(no log)"
+    return job_log(path)[-3000:] if path.exists() else "(no log)"
 
 
 def _ranks(run_dir: Path) -> dict[int, dict[str, Any]]:
@@ -121,7 +121,7 @@ def test_hetjob_gpu_ranks_get_distinct_gpus_of_their_node_as_planned(
         assert (",".join(info["gpus"]), info["device"]) == planned[rank], (rank, info)
         assert info["torch_device"] == "cpu"  # fake GPUs: no CUDA, cluster.require_cuda=false
     assert all(not ranks[r]["gpus"] and ranks[r]["node"] == "rollout1" for r in range(4))
-    assert "[placement] rank 5   trainer    node train1" in log.read_text()
+    assert "[placement] rank 5   trainer    node train1" in job_log(log)
 
 
 @pytest.mark.slow

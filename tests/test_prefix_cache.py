@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_contract import run
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rollart_hpc.contracts.generation import RequestOutput, SamplingParams
@@ -28,6 +28,7 @@ tokens = st.lists(st.integers(0, 3), min_size=1, max_size=60)  # a small alphabe
     capacity=st.integers(1, 4),
     ops=st.lists(st.tuples(st.booleans(), tokens), min_size=1, max_size=30),
 )
+@example(capacity=2, ops=[(True, [0, 0, 0, 0, 0]), (True, [0, 0, 0, 0])])  # found whole in the older row
 def test_index_returns_only_true_prefixes_within_capacity(capacity: int, ops: list) -> None:
     index = PrefixIndex(capacity, block=4)
     rows = list(range(10, 10 + capacity))
@@ -37,10 +38,11 @@ def test_index_returns_only_true_prefixes_within_capacity(capacity: int, ops: li
             row = index.victim(rows)
             held[row] = toks
             index.store(row, toks)
-            # a prompt extending a just-stored entry finds it whole (when it has a full block)
+            # a prompt extending a just-stored entry finds it whole (when it has a full block): in that row,
+            # or in another whose tokens start with the same ones
             if len(toks) >= 4:
                 hit = index.lookup(toks + [9])
-                assert hit is not None and hit[1] == len(toks) and held[hit[0]] == toks
+                assert hit is not None and hit[1] == len(toks) and held[hit[0]][: len(toks)] == toks
                 index.store(hit[0], toks)  # a whole match drops the entry; put it back
         else:
             hit = index.lookup(toks)

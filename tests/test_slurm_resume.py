@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from launching import launch, metric_rows, rank_pid, read_summary, stored_records
-from slurm_logs import query, rank_nodes, settled_states
+from slurm_logs import job_log, query, rank_nodes, settled_states
 
 from rollart_hpc.cluster.jobs import JOB_RECORD
 from rollart_hpc.controller.checkpoint import latest
@@ -74,7 +74,7 @@ def _submit(repo_root: Path, run_dir: Path, overrides: list[str]) -> dict[str, A
 
 def _log(record: dict[str, Any]) -> str:
     path = Path(str(record["logs"][0]))
-    return path.read_text() if path.exists() else ""
+    return job_log(path) if path.exists() else ""
 
 
 def _restarts(run_dir: Path) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from slurm_logs import query, rank_nodes, settled_states, step_succeeded
+from slurm_logs import job_log, query, rank_nodes, settled_states, step_succeeded
 
 from rollart_hpc.cluster.jobs import JOB_RECORD
 from rollart_hpc.contracts.errors import UsageError
@@ -56,7 +56,7 @@ def _wait_done(job_id: str, logs: list[str]) -> list[str]:
     try:
         while query(["squeue", "-h", "-j", job_id]).strip():
             if time.monotonic() > deadline:
-                tails = "\n".join(Path(p).read_text()[-3000:] for p in logs if Path(p).exists())
+                tails = "\n".join(job_log(Path(p))[-3000:] for p in logs if Path(p).exists())
                 raise AssertionError(f"job {job_id} not done after {JOB_TIMEOUT_S:.0f}s:\n{tails}")
             time.sleep(1.0)
     finally:
@@ -76,7 +76,7 @@ def test_hetjob_smoke_runs_each_role_on_its_partition_node(repo_root: Path, tmp_
     record = _submit(repo_root, run_dir, overrides)
     assert record["mode"] == "hetjob" and record["world_size"] == 5
     states = _wait_done(str(record["job_id"]), list(record["logs"]))
-    log = Path(str(record["logs"][0])).read_text()
+    log = job_log(Path(str(record["logs"][0])))
     assert states == ["COMPLETED", "COMPLETED"], log
     assert _ok_lines(log) == {(role, rank) for rank, role in enumerate(ROLES)}, log
     assert rank_nodes(run_dir) == {0: "rollout1", 1: "rollout1", 2: "rollout1", 3: "rollout1", 4: "train1"}
@@ -95,7 +95,7 @@ def test_submitit_smoke_on_one_partition_over_two_nodes(repo_root: Path, tmp_pat
     assert record["mode"] == "submitit" and record["world_size"] == 6
     job_id = str(record["job_id"])
     states = _wait_done(job_id, list(record["logs"]))
-    assert states == ["COMPLETED"], Path(str(record["logs"][1])).read_text()
+    assert states == ["COMPLETED"], job_log(Path(str(record["logs"][1])))
     job: submitit.SlurmJob[int] = submitit.SlurmJob(
         folder=run_dir / "submitit", job_id=job_id, tasks=range(6)
     )

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_logs import job_log
 
 from rollart_hpc.cluster.sbatch import HetComponent, render_array_job
 from rollart_hpc.contracts.errors import UsageError
@@ -299,7 +300,7 @@ def test_slurm_sweep_is_one_job_array(tmp_path: Path) -> None:
     names = ["algo.rho=0.8/seed=0", "algo.rho=0.9/seed=0"]
     _wait_gone(job_id, 900)
     for index, name in enumerate(names):
-        logs = "".join(p.read_text() for p in (out / name).glob("slurm-*.out"))
+        logs = "".join(job_log(p) for p in (out / name).glob("slurm-*.out"))
         assert (out / name / "summary.json").exists(), logs[-3000:]
         assert "[slurm] run finished" in logs
         assert json.loads((out / name / "slurm_job.json").read_text())["job_id"] == f"{job_id}_{index}"
@@ -357,7 +358,7 @@ def test_slurm_array_element_stopped_by_usr2_is_requeued_and_resumes(tmp_path: P
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
     _wait_gone(job_id, 600)
-    log = "".join(p.read_text() for p in (out / "base/seed=0").glob("slurm-*.out"))
+    log = "".join(job_log(p) for p in (out / "base/seed=0").glob("slurm-*.out"))
     assert "the run stopped at a checkpoint: requeue job" in log and "restart 1 on" in log, log[-3000:]
     assert "resumed from" in log and "[slurm] run finished" in log, log[-3000:]
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
