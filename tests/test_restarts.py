@@ -11,6 +11,7 @@ import pytest
 from launching import REPO, metric_lines, rank_pid, read_summary, start_run, stored_records, wait_until
 
 from rollart_hpc.cluster.restarts import RESTARTS, WorldOutcome, run_with_restarts
+from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.rundir import read_restarts
 from rollart_hpc.controller import checkpoint as ckpt
 from rollart_hpc.entry.restarts import checkpoint_step
@@ -178,3 +179,46 @@ def test_slurm_step_restart_records_rows_and_stops_on_a_repeat_or_when_spent(tmp
     ]
     assert not restart_after_failed_step(tmp_path, 9, 2)  # 2 of 2 used
     assert "2 of 2 restarts used" in capsys.readouterr().out
+
+
+def test_a_submitit_jobs_failure_requeues_do_not_use_its_stop_requeues(tmp_path, monkeypatch, capsys):
+    """A submitit job restarts after a failure by a requeue, which SLURM counts in SLURM_RESTART_COUNT like
+    the requeues after a stop at a checkpoint; only the latter count against --max-requeues, and their
+    number in the log starts at 1 whatever failures came before (as in a hetjob)."""
+    from fake_slurm import FakeSlurm
+
+    from rollart_hpc.cluster import slurm
+    from rollart_hpc.cluster.submission import requeue_after_stop
+    from rollart_hpc.config import load_config, write_resolved
+    from rollart_hpc.entry.restarts import job_script_main
+
+    write_resolved(load_config(REPO / "configs" / "tiny.toml"), tmp_path)
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    fake = FakeSlurm({"scontrol requeue": (0, "", "")})
+    previous = slurm.set_runner(fake)
+    try:
+        assert job_script_main([str(tmp_path), "139", "2", "--requeue"]) == 0  # a rank crashed
+        assert fake.calls == [["scontrol", "requeue", "77"]]
+        assert read_restarts(tmp_path)[0]["requeued_job"] == "77"
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the crash's requeue
+        with pytest.raises(SystemExit):
+            requeue_after_stop(tmp_path, 1)
+        assert "requeue job 77 (restart 1 of 1)" in capsys.readouterr().out
+        assert fake.calls[-1] == ["scontrol", "requeue", "77"]
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # and the stop's
+        with pytest.raises(RuntimeError, match="1 of 1 requeues are used"):
+            requeue_after_stop(tmp_path, 1)
+        monkeypatch.setenv("SLURM_JOB_ID", "78")  # another job of the run: the rows are not its requeues
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        with pytest.raises(RuntimeError, match="1 of 1 requeues are used"):
+            requeue_after_stop(tmp_path, 1)
+    finally:
+        slurm.set_runner(previous)
+    monkeypatch.delenv("SLURM_JOB_ID")
+    with pytest.raises(UsageError, match="^--requeue outside a SLURM job$"):
+        job_script_main([str(tmp_path), "139", "2", "--requeue"])
+    assert len(read_restarts(tmp_path)) == 1  # nothing recorded for a restart that cannot requeue

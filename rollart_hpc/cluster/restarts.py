@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollart_hpc.cluster import slurm
 from rollart_hpc.contracts.atomic import atomic_write_bytes
 from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.rundir import RunLayout, read_restarts
@@ -56,9 +55,12 @@ def checked_count(value: int) -> int:
     return value
 
 
-def record_restart(run_dir: Path, step: int, cause: str) -> dict[str, Any]:
+def record_restart(run_dir: Path, step: int, cause: str, requeued_job: str | None = None) -> dict[str, Any]:
+    """Append a restart row; `requeued_job` names the SLURM job when the restart is a requeue of it."""
     rows = read_restarts(run_dir)
-    row = {"restart": len(rows) + 1, "step": step, "cause": cause, "time": time.time()}
+    row: dict[str, Any] = {"restart": len(rows) + 1, "step": step, "cause": cause, "time": time.time()}
+    if requeued_job is not None:
+        row["requeued_job"] = requeued_job
     text = "".join(json.dumps(r) + "\n" for r in [*rows, row])
     atomic_write_bytes(run_dir / RESTARTS, text.encode())
     return row
@@ -123,10 +125,12 @@ def restart_after_failed_step(
     max_restarts: int,
     check_resumable: Callable[[Path, Config], None],
     checkpoint_step: Callable[[Path], int],
+    requeued_job: str | None = None,
 ) -> bool:
     """A SLURM job's step ended with `status` != 0: True (the restart recorded) when the run should start
     again from its last checkpoint: not finished, restarts left, its inputs check out (damaged checkpoints
-    are discarded) and not the same failure as the last restart at the same checkpoint step."""
+    are discarded) and not the same failure as the last restart at the same checkpoint step.
+    `requeued_job`: the job that the caller requeues for the restart (submitit), recorded in the row."""
     from rollart_hpc.config import read_resolved
 
     rows = read_restarts(run_dir)
@@ -143,18 +147,14 @@ def restart_after_failed_step(
     if rows and (failure_kind(rows[-1]["cause"]), rows[-1]["step"]) == (failure_kind(cause), step):
         print(f"[slurm] not restarting: the same failure repeated at step {step}: {cause}", flush=True)
         return False
-    row = record_restart(run_dir, step, cause)
+    row = record_restart(run_dir, step, cause, requeued_job)
     if RunLayout(run_dir).failures.exists():
         shutil.rmtree(RunLayout(run_dir).failures)  # this attempt's reports are not the next one's
     print(f"[slurm] restart {row['restart']}/{max_restarts} from step {step} after: {cause}", flush=True)
     return True
 
 
-def requeue_job() -> None:
-    """`scontrol requeue` this SLURM job (same job id; it resumes from the run's last checkpoint)."""
-    from rollart_hpc.cluster.env import read_process_env
-
-    job_id = read_process_env().slurm_job_id
-    if job_id is None:
-        raise UsageError("--requeue outside a SLURM job")
-    slurm.requeue(job_id)
+def failure_requeues(run_dir: Path, job_id: str) -> int:
+    """How many of job `job_id`'s requeues were restarts after a failure (a submitit job's): SLURM counts
+    them in SLURM_RESTART_COUNT beside the requeues after a stop at a checkpoint."""
+    return sum(1 for row in read_restarts(run_dir) if row.get("requeued_job") == job_id)

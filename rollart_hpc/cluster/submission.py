@@ -36,15 +36,19 @@ if TYPE_CHECKING:
 
 def requeue_after_stop(run_dir: Path, max_requeues: int) -> None:
     """The world stopped at a checkpoint: the task of global rank 0 requeues the job and exits without a
-    result (SystemExit); the other tasks return. With no requeue left, rank 0 raises RuntimeError."""
+    result (SystemExit); the other tasks return. With no requeue left, rank 0 raises RuntimeError.
+    Only requeues after a stop count against `max_requeues`: SLURM_RESTART_COUNT less the job's requeues
+    after a failure (`cluster.max_restarts` bounds those), as in a hetjob, whose failures restart within
+    the allocation."""
     from rollart_hpc.cluster.env import read_process_env
+    from rollart_hpc.cluster.restarts import failure_requeues
 
     env = read_process_env()
     if env.launcher_rank != 0:
         return
     if env.slurm_job_id is None:
         raise RuntimeError(f"the run in {run_dir} stopped at a checkpoint outside SLURM: nothing to requeue")
-    restarts = env.slurm_restart_count
+    restarts = env.slurm_restart_count - failure_requeues(run_dir, env.slurm_job_id)
     if restarts >= max_requeues:
         raise RuntimeError(
             f"the run in {run_dir} stopped at a checkpoint, and {restarts} of {max_requeues} requeues are "

@@ -17,7 +17,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollart_hpc.cluster.restarts import requeue_job, restart_after_failed_step
+from rollart_hpc.cluster import slurm
+from rollart_hpc.cluster.env import read_process_env
+from rollart_hpc.cluster.restarts import restart_after_failed_step
+from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.rundir import RunLayout
 
 if TYPE_CHECKING:
@@ -67,12 +70,15 @@ def job_script_main(argv: list[str]) -> int:
     parser.add_argument("max_restarts", type=int)
     parser.add_argument("--requeue", action="store_true", help="requeue the job instead (submitit)")
     args = parser.parse_args(argv)
+    job_id = read_process_env().slurm_job_id if args.requeue else None
+    if args.requeue and job_id is None:
+        raise UsageError("--requeue outside a SLURM job")
     if args.status == 0 or not restart_after_failed_step(
-        args.run_dir, args.status, args.max_restarts, check_resumable_run, checkpoint_step
+        args.run_dir, args.status, args.max_restarts, check_resumable_run, checkpoint_step, job_id
     ):
         return 1
-    if args.requeue:
-        requeue_job()
+    if job_id is not None:
+        slurm.requeue(job_id)  # same job id; it resumes from the run's last checkpoint
     return 0
 
 

@@ -10,7 +10,8 @@ Stops and requeues (both modes): a stop signal (SIGUSR1/SIGUSR2: `--signal`, pre
 `scancel --signal=USR2 JOB`) makes the controller checkpoint and stop the whole world with exit 0 and no
 finish marker (`summary.json` for RL runs). Only then is the job requeued, by `scontrol requeue` once
 the step has ended (never while it runs, which would kill it before the checkpoint is written), while
-SLURM_RESTART_COUNT < --max-requeues. The hetjob script does this itself (see the template). Under
+fewer than --max-requeues such requeues are done (SLURM_RESTART_COUNT, less a submitit job's requeues after
+a failure, which `cluster.max_restarts` bounds). The hetjob script does this itself (see the template). Under
 submitit the signal handlers of submitit's task process are replaced by the run's own once the RL job
 starts (every rank ignores the stop signals, the controller checkpoints), so submitit's
 checkpoint-and-requeue never runs then; `WorkerTask` requeues instead: on the task of global rank 0,
@@ -50,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-requeues",
         type=int,
         default=3,
-        help="requeues after the run stopped at a checkpoint (preemption, time limit, USR2; default 3)",
+        help="requeues after the run stopped at a checkpoint (preemption, time limit, USR2; default 3); "
+        "restarts after a failure are bounded by cluster.max_restarts instead",
     )
     parser.add_argument(
         "--nodes", type=int, default=1, help="nodes of a single-partition job; ranks split evenly (default 1)"
