@@ -97,7 +97,7 @@ def start(run_dir, *overrides):
     return start_run(run_dir, "--max-restarts", "2", "controller.mode=sync", *overrides)
 
 
-def kill_env_when(run_dir, ready, old_pid=None, proc=None):
+def kill_env_when(run_dir, ready, old_pid=None, proc=None, sig=signal.SIGKILL):
     def env_up():
         if proc is not None and proc.poll() is not None:  # the launcher ended: say why, do not wait on
             out, err = proc.communicate()
@@ -106,7 +106,7 @@ def kill_env_when(run_dir, ready, old_pid=None, proc=None):
 
     wait_until(env_up, 400, 0.1)
     pid = env_pid(run_dir)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     return pid
 
 
@@ -154,6 +154,24 @@ def test_failure_repeating_at_the_same_step_stops_restarts(tmp_path):
     assert proc.returncode != 0, out[-3000:] + err[-3000:]
     assert "not restarting: the same failure repeated at step 0" in err, err[-3000:]
     assert len(read_restarts(run_dir)) == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_crashed_rank_prints_its_python_stack(tmp_path):
+    """A rank that dies on a fatal signal (here SIGSEGV, as a native crash would) prints the Python stack of
+    each of its threads on stderr, so the console says where it crashed; the run fails."""
+    run_dir = tmp_path / "crashed"
+    proc = start_run(run_dir, "controller.mode=sync", "controller.num_steps=60")
+    try:
+        kill_env_when(run_dir, lambda: len(metric_lines(run_dir)) >= 1, proc=proc, sig=signal.SIGSEGV)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, out[-2000:] + err[-3000:]
+    _, sep, stack = err.partition("Fatal Python error: Segmentation fault")
+    assert sep and re.search(r'File "[^"]*/rollart_hpc/[^"]+\.py", line \d+ in \w+', stack), err[-4000:]
 
 
 def test_slurm_step_restart_records_rows_and_stops_on_a_repeat_or_when_spent(tmp_path, capsys):

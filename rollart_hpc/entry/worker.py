@@ -2,11 +2,13 @@
 
 Reads the resolved config, builds the World, and enters this rank's role main for the configured job.
 A rank that fails writes `failures/rank-<r>.json` (atomic; the launcher reads these to name the failing
-rank and role), prints one line, and aborts the whole MPI world so that no peer waits forever.
+rank and role), prints one line, and aborts the whole MPI world so that no peer waits forever. A rank that
+crashes on a fatal signal prints its Python stacks first (faulthandler).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import sys
@@ -89,6 +91,10 @@ def run_rank(run_dir: Path) -> int:
     world = make_world(
         plan, read_process_env(), config.cluster.peer_timeout_s, store_host(config.cluster.net)
     )
+    # A rank that crashes (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) prints every thread's Python stack on
+    # stderr before it dies. Enabled after MPI's initialisation, whose own handler (a C backtrace) then
+    # runs after this one; before the pid file, so a rank that a test can signal has it.
+    faulthandler.enable(all_threads=True)
     pid_file = RunLayout(run_dir).pid_file(world.rank)
     record = {"pid": os.getpid(), "pgid": os.getpgid(0), "role": world.role, "node": world.env.node_name}
     atomic_write_json(pid_file, record)
