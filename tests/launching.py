@@ -6,9 +6,10 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from rollart_hpc.cluster.mpiexec import mpi_session, mpiexec_argv
 from rollart_hpc.store.trajectories import read_store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,6 +25,20 @@ def launch(*args: object, timeout: float = 900, check: bool = True) -> subproces
     result = subprocess.run(launch_cmd(*args), cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def mpiexec_run(
+    world_size: int, *program: object, env: Mapping[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """`python PROGRAM...` on WORLD_SIZE ranks under mpiexec (a session of its own, the ranks' environment
+    plus `env`); it must exit 0, else its output's tails are shown."""
+    with mpi_session() as base:
+        cmd = mpiexec_argv(world_size, sys.executable, *map(str, program))
+        result = subprocess.run(
+            cmd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout
+        )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 

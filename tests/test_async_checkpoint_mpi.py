@@ -65,26 +65,29 @@ def _worker(model_dir: str, out: str, store: str, mode: str) -> None:
 
 
 def _run(num_ranks: int, model_dir: Path, out: Path, mode: str) -> subprocess.CompletedProcess[str]:
-    from rollart_hpc.cluster.mpiexec import mpi_environment
+    from rollart_hpc.cluster.mpiexec import mpi_session, mpiexec_argv
     from rollart_hpc.cluster.supervise import kill_group
 
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    cmd = [mpiexec, "-n", str(num_ranks), "--oversubscribe", sys.executable, __file__]
-    cmd += [str(model_dir), str(out), str(out / f"store-{uuid.uuid4().hex}"), mode]
-    env = {**mpi_environment(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
-    if mode != "crash":
-        return subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
-    # OpenMPI's prterun does not always exit when every rank is killed by a signal at once (seen to hang
-    # with both ranks dead): once every rank has recorded its pid and is gone, the launcher is stopped.
-    logs = out / "mpiexec.log"
-    with logs.open("w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        _until(lambda: proc.poll() is not None or _ranks_gone(out, num_ranks), "the killed ranks", 300)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    cmd = mpiexec_argv(num_ranks, sys.executable, __file__, str(model_dir), str(out))
+    cmd += [str(out / f"store-{uuid.uuid4().hex}"), mode]
+    extra = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    with mpi_session() as base:
+        env = {**base, **extra}
+        if mode != "crash":
+            return subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
+        # OpenMPI's prterun does not always exit when every rank is killed by a signal at once (seen to
+        # hang with both ranks dead): once every rank has recorded its pid and is gone, it is stopped.
+        logs = out / "mpiexec.log"
+        with logs.open("w") as log:
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            _until(lambda: proc.poll() is not None or _ranks_gone(out, num_ranks), "the killed ranks", 300)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     # A killed rank's helpers (dist_checkpointing's Manager and its resource tracker) outlive it, in the
     # process group the rank leads (mpiexec starts each rank in its own): end them, as the launcher does.
     for pid_file in out.glob("pid-*"):

@@ -9,8 +9,6 @@ head_dim != hidden_size / heads) checks tensor parallelism for that family.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -52,30 +50,13 @@ def _run(
     save_to: str = "",
     sequence_parallel: bool = False,
 ) -> dict:
-    from rollart_hpc.cluster.mpiexec import mpi_environment
+    from launching import mpiexec_run
 
     out.mkdir(parents=True)
     ranks = tp * pp * dp
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
     store = out / f"store-{uuid.uuid4().hex}"  # a file store: no port to race for
-    cmd = [
-        mpiexec,
-        "-n",
-        str(ranks),
-        "--oversubscribe",
-        sys.executable,
-        str(WORKER),
-        str(model_dir),
-        str(out),
-    ]
-    cmd += [str(store), str(tp), str(pp), str(mbt), load_from, save_to]
-    env = {
-        **mpi_environment(),
-        "OMP_NUM_THREADS": "1",
-        "LAYOUT_SEQUENCE_PARALLEL": str(int(sequence_parallel)),
-    }
-    proc = subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    env = {"OMP_NUM_THREADS": "1", "LAYOUT_SEQUENCE_PARALLEL": str(int(sequence_parallel))}
+    mpiexec_run(ranks, WORKER, model_dir, out, store, tp, pp, mbt, load_from, save_to, env=env)
     return torch.load(out / "result.pt")
 
 

@@ -18,7 +18,6 @@ Run as a script under mpiexec, this file is the worker (`_worker`); pytest start
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -100,14 +99,10 @@ def _reference(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def test_triton_kernel_at_tp2_matches_the_torch_path_and_the_whole_head(tmp_path: Path) -> None:
-    from rollart_hpc.cluster.mpiexec import mpi_environment
+    from launching import mpiexec_run
 
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
     store = tmp_path / f"store-{uuid.uuid4().hex}"  # a file store: no port to race for
-    cmd = [mpiexec, "-n", str(TP), "--oversubscribe", sys.executable, __file__, str(tmp_path), str(store)]
-    env = {**mpi_environment(), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    mpiexec_run(TP, __file__, tmp_path, store, env={"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"})
     ranks = [torch.load(tmp_path / f"result-{r}.pt") for r in range(TP)]
     shard, rows = PADDED // TP, TOKENS // TP
     for name, (dtype, tol) in DTYPES.items():

@@ -6,7 +6,6 @@ Run as a script under mpiexec, this file is the trainer worker (see `_worker`); 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -74,15 +73,10 @@ def _worker(model_dir: str, out: str, store: str, load_from: str) -> None:
 
 
 def _run(num_ranks: int, model_dir: Path, out: Path, load_from: str = "") -> dict:
-    from rollart_hpc.cluster.mpiexec import mpi_environment
+    from launching import mpiexec_run
 
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    cmd = [mpiexec, "-n", str(num_ranks), "--oversubscribe", sys.executable, __file__]
     store = out / f"store-{uuid.uuid4().hex}"  # a file store: no port to race for
-    cmd += [str(model_dir), str(out), str(store), load_from]
-    env = {**mpi_environment(), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    mpiexec_run(num_ranks, __file__, model_dir, out, store, load_from, env={"OMP_NUM_THREADS": "1"})
     return torch.load(out / f"result-dp{num_ranks}.pt")
 
 

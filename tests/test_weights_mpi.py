@@ -4,13 +4,10 @@
 `WeightReceiver`, announced over MPI."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from rollart_hpc.cluster.mpiexec import mpi_environment
+from launching import mpiexec_run
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "mpi_scripts" / "weights_check.py"
@@ -21,10 +18,7 @@ pytestmark = pytest.mark.mpi
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("weights")
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    cmd = [mpiexec, "-n", "3", "--oversubscribe", sys.executable, str(SCRIPT), str(TIMEOUT_S), str(out)]
-    proc = subprocess.run(cmd, env=mpi_environment(), timeout=240, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    mpiexec_run(3, SCRIPT, TIMEOUT_S, out, timeout=240)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(3)]
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -155,13 +154,10 @@ def main() -> None:
 # ----- the tests -----
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from rollart_hpc.cluster.mpiexec import mpi_environment
+    from launching import mpiexec_run
 
     out = tmp_path_factory.mktemp("weights-pipeline")
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    cmd = [mpiexec, "-n", "3", "--oversubscribe", sys.executable, __file__, str(TIMEOUT_S), str(out)]
-    proc = subprocess.run(cmd, env=mpi_environment(), timeout=240, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    mpiexec_run(3, __file__, TIMEOUT_S, out, timeout=240)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(3)]
 
 

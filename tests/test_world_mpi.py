@@ -3,15 +3,16 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from launching import REPO, launch, start_run, wait_until
+from launching import REPO, launch, mpiexec_run, start_run, wait_until
 
-from rollart_hpc.cluster.mpiexec import mpi_environment
+from rollart_hpc.cluster.mpiexec import SESSION_BASE_VAR, mpi_session, mpiexec_argv
 from rollart_hpc.cluster.procs import pid_alive
 
 SMOKE = "configs/smoke.toml"
@@ -21,20 +22,7 @@ pytestmark = pytest.mark.mpi
 
 def mpirun(mode, num_env, tmp_path, timeout=10.0):
     world_size = 3 + num_env  # controller, rollout, env..., trainer (no reward)
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    cmd = [
-        mpiexec,
-        "-n",
-        str(world_size),
-        "--oversubscribe",
-        sys.executable,
-        str(SCRIPT),
-        mode,
-        str(num_env),
-        str(timeout),
-        str(tmp_path),
-    ]
-    subprocess.run(cmd, env=mpi_environment(), check=True, timeout=120, capture_output=True)
+    mpiexec_run(world_size, SCRIPT, mode, num_env, timeout, tmp_path, timeout=120)
     return {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(world_size)}
 
 
@@ -125,10 +113,32 @@ def test_ctrl_c_or_sigterm_stops_whole_world(tmp_path, signum, code, reason, inh
 
 
 def test_mailbox_liveness(tmp_path):
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    script = REPO / "tests" / "mpi_scripts" / "mailbox_check.py"
-    cmd = [mpiexec, "-n", "4", "--oversubscribe", sys.executable, str(script), str(tmp_path)]
-    subprocess.run(cmd, env=mpi_environment(), check=True, timeout=120, capture_output=True)
+    mpiexec_run(4, REPO / "tests" / "mpi_scripts" / "mailbox_check.py", tmp_path, timeout=120)
     results = {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(4)}
     assert results[1] == {"got": "go"}  # a busy rank does not call its peers silent
     assert "no message from env rank 2 (env #0)" in results[0]["error"]
+
+
+def test_a_killed_launchers_session_files_do_not_stop_the_next_launch_of_its_pid(tmp_path):
+    """prterun keeps its session files in `<tmpdir>/ompi.<pid>/` and exits with code 213 ("The PMIx
+    server's listener thread failed to start") when a killed launcher of the same pid left its PMIx
+    contact file there. Each launch's own session base (`mpi_session`) keeps such leftovers apart."""
+    hosts = {socket.gethostname(), socket.gethostname().split(".")[0]}
+    leftover = "; ".join(f'echo stale > "$TMPDIR/ompi.$$/pmix.{host}.tool.$$"' for host in hosts)
+    script = f'mkdir -p "$TMPDIR/ompi.$$"; {leftover}; exec "$@"'  # the launcher gets the shell's pid
+    argv = mpiexec_argv(1, sys.executable, "-c", "print('rank started')")
+
+    def launch_over_leftovers(env):
+        cmd = ["bash", "-c", script, "bash", *argv]
+        env = {**env, "TMPDIR": str(tmp_path)}
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+    with mpi_session() as env:
+        base = Path(env[SESSION_BASE_VAR])
+        shared = launch_over_leftovers({k: v for k, v in env.items() if k != SESSION_BASE_VAR})
+        own = launch_over_leftovers(env)
+        (base / "ompi.1").mkdir()  # what a launcher killed in this session would leave
+    assert shared.returncode == 213, shared.stdout + shared.stderr
+    assert "listener thread failed to start" in shared.stdout + shared.stderr
+    assert own.returncode == 0 and "rank started" in own.stdout, own.stdout + own.stderr
+    assert not base.exists()

@@ -93,18 +93,18 @@ def worker_config(args: argparse.Namespace) -> dict[str, object]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rollart_hpc.cluster.mpiexec import mpi_environment
+    from rollart_hpc.cluster.mpiexec import mpi_session, mpiexec_argv
     from rollart_hpc.contracts.atomic import atomic_write_json
 
     config = worker_config(args)
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
         config_path, out_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
         config_path.write_text(json.dumps(config))
         world_size = args.receivers + 1
-        cmd = [str(mpiexec), "-n", str(world_size), "--oversubscribe", sys.executable, "-m",
-               "rollart_hpc.bench.weights_worker", str(config_path), str(out_path)]  # fmt: skip
-        proc = subprocess.run(cmd, env=mpi_environment())
+        worker = ("-m", "rollart_hpc.bench.weights_worker", str(config_path), str(out_path))
+        cmd = mpiexec_argv(world_size, sys.executable, *worker)
+        with mpi_session() as env:
+            proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0 or not out_path.exists():
             print(f"error: benchmark world exited with code {proc.returncode}", file=sys.stderr)
             return 1

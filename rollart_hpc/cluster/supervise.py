@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollart_hpc.cluster.mpiexec import mpi_environment, mpiexec_command
+from rollart_hpc.cluster.mpiexec import mpi_session, mpiexec_command
 from rollart_hpc.cluster.procs import pid_alive, rank_exit_path
 from rollart_hpc.cluster.restarts import WorldOutcome
 from rollart_hpc.contracts.errors import UsageError
@@ -81,12 +81,21 @@ def run_world_outcome(run_dir: Path, world_size: int, timeout_s: float = 0.0) ->
     from rollart_hpc.config import read_resolved
 
     net_env = read_resolved(run_dir).cluster.net.environment()
-    proc = subprocess.Popen(
-        mpiexec_command(world_size, run_dir), env=mpi_environment(net_env), start_new_session=True
-    )
+    watch = WorldWatch(run_dir, world_size)
+    with mpi_session(net_env) as env:  # its folder goes once every tracked process is gone
+        proc = subprocess.Popen(mpiexec_command(world_size, run_dir), env=env, start_new_session=True)
+        reason = _wait_world(proc, watch, timeout_s)
+        if proc.poll() is None:
+            stop_session(proc)
+        leftovers = reap_ranks(run_dir)
+    code = report(run_dir, proc.returncode, reason, leftovers, watch)
+    return WorldOutcome(code, failure_cause(run_dir, watch) if code else None, reason is not None)
+
+
+def _wait_world(proc: subprocess.Popen[bytes], watch: WorldWatch, timeout_s: float) -> str | None:
+    """Wait until mpiexec exits or the world is over; why the launcher must stop it (None: no need)."""
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
     reason = None
-    watch = WorldWatch(run_dir, world_size)
     # mpiexec runs in its own session, so a SIGTERM/SIGHUP that kills only the launcher would orphan the
     # world: turn them into the same orderly stop as Ctrl-C. SIGINT is set too: a launcher started in the
     # background of a non-interactive shell inherits it ignored, and `kill -INT` must still stop the world.
@@ -107,11 +116,7 @@ def run_world_outcome(run_dir: Path, world_size: int, timeout_s: float = 0.0) ->
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if proc.poll() is None:
-        stop_session(proc)
-    leftovers = reap_ranks(run_dir)
-    code = report(run_dir, proc.returncode, reason, leftovers, watch)
-    return WorldOutcome(code, failure_cause(run_dir, watch) if code else None, reason is not None)
+    return reason
 
 
 # Seconds mpiexec gets to exit by itself once the world is over (a rank gone without a word, a rank failed,
