@@ -11,7 +11,6 @@ import pytest
 from launching import REPO, metric_lines, rank_pid, read_summary, start_run, stored_records, wait_until
 
 from rollart_hpc.cluster.restarts import RESTARTS, WorldOutcome, run_with_restarts
-from rollart_hpc.contracts.errors import UsageError
 from rollart_hpc.contracts.rundir import read_restarts
 from rollart_hpc.controller import checkpoint as ckpt
 from rollart_hpc.entry.restarts import checkpoint_step
@@ -237,6 +236,7 @@ def test_a_submitit_jobs_failure_requeues_do_not_use_its_stop_requeues(tmp_path,
     finally:
         slurm.set_runner(previous)
     monkeypatch.delenv("SLURM_JOB_ID")
-    with pytest.raises(UsageError, match="^--requeue outside a SLURM job$"):
-        job_script_main([str(tmp_path), "139", "2", "--requeue"])
+    capsys.readouterr()
+    assert job_script_main([str(tmp_path), "139", "2", "--requeue"]) == 2
+    assert capsys.readouterr().err == "error: --requeue outside a SLURM job\n"
     assert len(read_restarts(tmp_path)) == 1  # nothing recorded for a restart that cannot requeue

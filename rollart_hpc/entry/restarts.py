@@ -6,7 +6,8 @@ can resume (`check_resumable_run`) and the step of its newest complete checkpoin
 
 SLURM jobs (`cluster.max_restarts`) run `python -m rollart_hpc.entry.restarts RUN_DIR STATUS MAX
 [--requeue]` after their srun step ended with STATUS != 0: exit 0 when the run is to start again (the
-restart is recorded first), else 1. The sbatch script then starts a new step in its allocation; a
+restart is recorded first), else 1, or 2 with one line on stderr for what it cannot act on (`--requeue`
+outside a SLURM job). The sbatch script then starts a new step in its allocation; a
 submitit job (`--requeue`) is requeued with `scontrol requeue`.
 """
 
@@ -70,15 +71,19 @@ def job_script_main(argv: list[str]) -> int:
     parser.add_argument("max_restarts", type=int)
     parser.add_argument("--requeue", action="store_true", help="requeue the job instead (submitit)")
     args = parser.parse_args(argv)
-    job_id = read_process_env().slurm_job_id if args.requeue else None
-    if args.requeue and job_id is None:
-        raise UsageError("--requeue outside a SLURM job")
-    if args.status == 0 or not restart_after_failed_step(
-        args.run_dir, args.status, args.max_restarts, check_resumable_run, checkpoint_step, job_id
-    ):
-        return 1
-    if job_id is not None:
-        slurm.requeue(job_id)  # same job id; it resumes from the run's last checkpoint
+    try:
+        job_id = read_process_env().slurm_job_id if args.requeue else None
+        if args.requeue and job_id is None:
+            raise UsageError("--requeue outside a SLURM job")
+        if args.status == 0 or not restart_after_failed_step(
+            args.run_dir, args.status, args.max_restarts, check_resumable_run, checkpoint_step, job_id
+        ):
+            return 1
+        if job_id is not None:
+            slurm.requeue(job_id)  # same job id; it resumes from the run's last checkpoint
+    except UsageError as exc:  # one line in the job's log, and no restart
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
