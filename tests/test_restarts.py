@@ -235,8 +235,19 @@ def test_a_submitit_jobs_failure_requeues_do_not_use_its_stop_requeues(tmp_path,
             requeue_after_stop(tmp_path, 1)
     finally:
         slurm.set_runner(previous)
-    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     capsys.readouterr()
+    refused = FakeSlurm({"scontrol requeue": (1, "", "Requested operation is presently disabled\n")})
+    previous = slurm.set_runner(refused)
+    try:  # another failure: its restart is recorded, the requeue refused; one line, and no exit 0
+        assert job_script_main([str(tmp_path), "1", "2", "--requeue"]) == 2
+    finally:
+        slurm.set_runner(previous)
+    assert capsys.readouterr().err == (
+        "error: scontrol requeue 78 failed: Requested operation is presently disabled\n"
+    )
+    assert len(read_restarts(tmp_path)) == 2
+    monkeypatch.delenv("SLURM_JOB_ID")
     assert job_script_main([str(tmp_path), "139", "2", "--requeue"]) == 2
     assert capsys.readouterr().err == "error: --requeue outside a SLURM job\n"
-    assert len(read_restarts(tmp_path)) == 1  # nothing recorded for a restart that cannot requeue
+    assert len(read_restarts(tmp_path)) == 2  # nothing recorded for a restart that cannot requeue

@@ -4,7 +4,8 @@ in one place, and a refusal is one line. Runs against `FakeSlurm`; the slurm-mar
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,22 @@ def test_failures_are_one_line(fake: FakeSlurm) -> None:
         slurm.partition_nodes()
     assert slurm.node_cpus() is None  # optional reads give up quietly
     assert fake.calls[0] == ["sbatch", "--parsable", "job.sbatch"]
+    fake.answers["scontrol requeue"] = (1, "", "scontrol: error: Job has already finished\n")
+    with pytest.raises(slurm.SchedulerError, match="^scontrol requeue 7 failed: .*already finished$"):
+        slurm.requeue("7")
+
+
+def test_a_command_that_does_not_answer_is_one_line() -> None:
+    def hangs(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+        raise subprocess.TimeoutExpired(list(argv), timeout_s)
+
+    previous = slurm.set_runner(hangs)
+    try:
+        with pytest.raises(slurm.SchedulerError, match="^scontrol requeue 7 failed: Command .* timed out"):
+            slurm.requeue("7")
+        assert slurm.job_steps("7") is None
+    finally:
+        slurm.set_runner(previous)
 
 
 def test_jobs_submitted_watched_and_requeued(fake: FakeSlurm) -> None:

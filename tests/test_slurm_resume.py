@@ -289,8 +289,8 @@ def test_killed_rank_of_a_submitit_job_is_requeued_and_finishes(repo_root: Path,
     restarts = _restarts(run_dir)
     assert [r["restart"] for r in restarts] == list(range(1, len(restarts) + 1)), restarts
     assert all(r["requeued_job"] == job_id for r in restarts), restarts
-    killed = next(r for r in restarts if r["time"] >= killed_at)
-    assert killed["step"] >= 1, restarts
+    killed = next((r for r in restarts if r["time"] >= killed_at), None)
+    assert killed is not None and killed["step"] >= 1, restarts
     assert all("status 139" in r["cause"] for r in restarts if r is not killed), restarts
     assert f"[slurm] restart {killed['restart']}/2 from step" in log, log[-4000:]
     _assert_complete_once(run_dir, num_steps)

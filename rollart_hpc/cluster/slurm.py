@@ -1,5 +1,5 @@
-"""The one SLURM adapter: every scheduler command of the system (sbatch, squeue, scancel, sinfo,
-scontrol) goes through here, as one function per question, with a timeout and a one-line error.
+"""The one SLURM adapter: every scheduler command of the system (sbatch, squeue, sinfo, scontrol) goes
+through here, as one function per question, with a timeout and a one-line error.
 
 `RUNNER` executes the commands (`subprocess.run`); tests swap it for a fake that records each command and
 answers it (`set_runner`). `srun` itself is started by the job scripts, not from Python.
@@ -34,6 +34,20 @@ def set_runner(runner: Runner | None) -> Runner:
 def run(argv: Sequence[str], timeout_s: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """One scheduler command through the current runner."""
     return RUNNER(argv, timeout_s)
+
+
+class SchedulerError(RuntimeError):
+    """A scheduler command that failed or did not answer in time; its message is one line naming the command."""
+
+
+def _run_or_raise(
+    argv: Sequence[str], timeout_s: float = COMMAND_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    """`run`, with a command that did not start or did not answer in time as a SchedulerError."""
+    try:
+        return run(argv, timeout_s)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise SchedulerError(f"{' '.join(argv)} failed: {exc}") from exc
 
 
 def require_tools(*tools: str, why: str) -> None:
@@ -81,17 +95,10 @@ def job_steps(job_id: str, timeout_s: float = 30.0) -> list[str] | None:
 
 
 def requeue(job_id: str) -> None:
-    """`scontrol requeue` the job (same id); a failure raises naming the job."""
-    proc = run(["scontrol", "requeue", job_id])
+    """`scontrol requeue` the job (same id); a failure raises SchedulerError naming the job."""
+    proc = _run_or_raise(["scontrol", "requeue", job_id])
     if proc.returncode != 0:
-        raise RuntimeError(f"scontrol requeue {job_id} failed: {proc.stderr.strip()}")
-
-
-def cancel(job_id: str) -> None:
-    """`scancel` the job; a failure raises naming the job."""
-    proc = run(["scancel", job_id])
-    if proc.returncode != 0:
-        raise RuntimeError(f"scancel {job_id} failed: {proc.stderr.strip()}")
+        raise SchedulerError(f"scontrol requeue {job_id} failed: {proc.stderr.strip()}")
 
 
 def node_rows(fields: str, *, required: bool = True) -> list[list[str]] | None:

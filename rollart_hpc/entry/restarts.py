@@ -7,8 +7,9 @@ can resume (`check_resumable_run`) and the step of its newest complete checkpoin
 SLURM jobs (`cluster.max_restarts`) run `python -m rollart_hpc.entry.restarts RUN_DIR STATUS MAX
 [--requeue]` after their srun step ended with STATUS != 0: exit 0 when the run is to start again (the
 restart is recorded first), else 1, or 2 with one line on stderr for what it cannot act on (`--requeue`
-outside a SLURM job). The sbatch script then starts a new step in its allocation; a
-submitit job (`--requeue`) is requeued with `scontrol requeue`.
+outside a SLURM job, or a `scontrol requeue` that failed: the restart stays recorded, and a requeue by
+hand takes its place). The sbatch script then starts a new step in its allocation; a submitit job
+(`--requeue`) is requeued with `scontrol requeue`.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def job_script_main(argv: list[str]) -> int:
             return 1
         if job_id is not None:
             slurm.requeue(job_id)  # same job id; it resumes from the run's last checkpoint
-    except UsageError as exc:  # one line in the job's log, and no restart
+    except (UsageError, slurm.SchedulerError) as exc:  # one line in the job's log, and no restart
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
