@@ -45,9 +45,13 @@ def test_failures_are_one_line(fake: FakeSlurm) -> None:
         slurm.partition_nodes()
     assert slurm.node_cpus() is None  # optional reads give up quietly
     assert fake.calls[0] == ["sbatch", "--parsable", "job.sbatch"]
-    fake.answers["scontrol requeue"] = (1, "", "scontrol: error: Job has already finished\n")
-    with pytest.raises(slurm.SchedulerError, match="^scontrol requeue 7 failed: .*already finished$"):
+    fake.answers["scontrol requeue"] = (1, "", "scontrol: error: Job has already finished\n\nfor job 7\n")
+    with pytest.raises(slurm.SchedulerError) as refused:
         slurm.requeue("7")
+    assert (
+        str(refused.value)
+        == "scontrol requeue 7 failed: scontrol: error: Job has already finished; for job 7"
+    )
 
 
 def test_a_command_that_does_not_answer_is_one_line() -> None:

@@ -50,6 +50,11 @@ def _run_or_raise(
         raise SchedulerError(f"{' '.join(argv)} failed: {exc}") from exc
 
 
+def _said(proc: subprocess.CompletedProcess[str]) -> str:
+    """What a failed command said (stderr, else stdout), its lines joined into one."""
+    return "; ".join(line.strip() for line in (proc.stderr or proc.stdout or "").splitlines() if line.strip())
+
+
 def require_tools(*tools: str, why: str) -> None:
     """UsageError naming the first of `tools` that is not on PATH."""
     for tool in tools:
@@ -66,8 +71,7 @@ def sbatch(script_path: str) -> str:
     """Submit a script; returns the job id. A refusal by sbatch is a one-line UsageError."""
     proc = run(sbatch_command(script_path))
     if proc.returncode != 0:
-        said = "; ".join(line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip())
-        raise UsageError(f"sbatch refused {script_path}: {said}")
+        raise UsageError(f"sbatch refused {script_path}: {_said(proc)}")
     job_id = proc.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         raise RuntimeError(f"sbatch printed no job id: {proc.stdout!r}")
@@ -81,7 +85,7 @@ def job_state(job_id: str) -> str | None:
     if proc.returncode != 0:
         if "Invalid job id" in proc.stderr:
             return None
-        raise RuntimeError(f"squeue -j {job_id} failed: {proc.stderr.strip()}")
+        raise SchedulerError(f"squeue -j {job_id} failed: {_said(proc)}")
     return proc.stdout.strip() or None
 
 
@@ -98,7 +102,7 @@ def requeue(job_id: str) -> None:
     """`scontrol requeue` the job (same id); a failure raises SchedulerError naming the job."""
     proc = _run_or_raise(["scontrol", "requeue", job_id])
     if proc.returncode != 0:
-        raise SchedulerError(f"scontrol requeue {job_id} failed: {proc.stderr.strip()}")
+        raise SchedulerError(f"scontrol requeue {job_id} failed: {_said(proc)}")
 
 
 def node_rows(fields: str, *, required: bool = True) -> list[list[str]] | None:
@@ -107,7 +111,7 @@ def node_rows(fields: str, *, required: bool = True) -> list[list[str]] | None:
     proc = run(["sinfo", "-h", "-N", "-o", fields])
     if proc.returncode != 0:
         if required:
-            raise UsageError(f"sinfo failed: {proc.stderr.strip()}")
+            raise UsageError(f"sinfo failed: {_said(proc)}")
         return None
     return [line.split() for line in proc.stdout.splitlines() if line.strip()]
 
